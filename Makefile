@@ -1,0 +1,47 @@
+# The two set-up commands of the README. Each works on a fresh machine with Python 3.11 and pip.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint corpus clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# The default corpus comes from Debian packages (public domain / BSD texts). Installed when we can;
+# otherwise we print the one command that does it. Unit tests never need it.
+corpus:
+	@if [ -x /usr/bin/bible ] && [ -d /usr/share/games/fortunes ] && [ -d /usr/share/jargon ]; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -q && apt-get install -y -q bible-kjv fortunes jargon-text) >/dev/null \
+			|| echo "note: could not apt-get the corpus; shoal falls back to what it finds (see README)"; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then \
+		(sudo apt-get update -q && sudo apt-get install -y -q bible-kjv fortunes jargon-text) >/dev/null \
+			|| echo "note: could not apt-get the corpus; shoal falls back to what it finds (see README)"; \
+	else \
+		echo "note: for the default corpus run: sudo apt-get install bible-kjv fortunes jargon-text"; \
+	fi
+
+demo: $(VENV)/.installed corpus
+	$(BIN)/shoal train --local --report demo-report
+
+test: $(VENV)/.installed-dev
+	$(BIN)/ruff check shoal tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check shoal tests benchmarks
+	$(BIN)/ruff format --check shoal tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+"""shoal: a peer-to-peer volunteer network for training language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""The `shoal` command: one sub-command per thing a user does.
+
+Each sub-command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+those modules keep heavy imports (torch, hivemind) inside `run` so `shoal --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from shoal.config import ConfigError
+from shoal.errors import UsageError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("shoal.train.command", "train the whole model in one process (the reference trainer)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="peer-to-peer training of language models")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._module.run(args) or 0)
+    except (ConfigError, UsageError) as e:
+        print(f"shoal {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"shoal {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""RunConfig: what the swarm trains, loaded from TOML and validated field by field.
+
+A run config is shared by every peer of a swarm, so it is strict: unknown keys, wrong types and
+inconsistent values are refused with a `ConfigError` that names the field. Its hash is the run id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from shoal.model.config import ModelConfig
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A run or node config that cannot be used; `str()` is one line naming the field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}" if field_name else message)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    stages: int = 3  # stage 0 (embedding, head, loss) + block stages 1..S-1
+    wire_dtype: str = "float32"  # dtype of activations and gradients between peers
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    seq_len: int = 128
+    batch_size: int = 16  # sequences per optimizer step
+    microbatch_size: int = 4  # sequences per microbatch
+    seed: int = 0
+    eval_batches: int = 8
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 15
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # a text file or folder; empty means the default corpus (see shoal.model.corpus)
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.train.batch_size // self.train.microbatch_size
+
+    @property
+    def run_id(self) -> str:
+        """Content hash of the config: peers with the same run id train the same thing."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_toml(self) -> str:
+        lines = [f"name = {json.dumps(self.name)}"]
+        for section, values in self.to_dict().items():
+            if not isinstance(values, dict):
+                continue
+            lines.append(f"\n[{section}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        return "\n".join(lines) + "\n"
+
+    def replace(self, overrides: dict[str, Any]) -> RunConfig:
+        """Return a validated copy with dotted-path overrides, e.g. {"train.steps": 20}."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            *parents, leaf = dotted.split(".")
+            node = data
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    raise ConfigError(dotted, "unknown field")
+                node = node[part]
+            if leaf not in node:
+                raise ConfigError(dotted, "unknown field")
+            node[leaf] = value
+        return run_config_from_dict(data)
+
+
+def _check_type(path: str, value: Any, expected: Any) -> Any:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected in (int, float, str, bool):
+        if type(value) is not expected:
+            raise ConfigError(path, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {expected!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{path}.{key}" if path else key
+            raise ConfigError(where, f"unknown key (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name in known:
+        if name not in data:
+            continue
+        where = f"{path}.{name}" if path else name
+        expected = hints[name]
+        if dataclasses.is_dataclass(expected):
+            kwargs[name] = _build(expected, data[name], where)
+        elif isinstance(expected, types.UnionType):
+            raise TypeError(f"unsupported union in {where}")
+        else:
+            kwargs[name] = _check_type(where, data[name], expected)
+    return cls(**kwargs)
+
+
+def _validate(cfg: RunConfig) -> None:
+    m, p, t, o, d = cfg.model, cfg.pipeline, cfg.train, cfg.optim, cfg.data
+
+    def need(ok: bool, where: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(where, message)
+
+    need(bool(cfg.name.strip()), "name", "must not be empty")
+    for where, value in [
+        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads), ("model.ffn_hidden", m.ffn_hidden), ("model.max_seq_len", m.max_seq_len),
+        ("train.steps", t.steps), ("train.seq_len", t.seq_len), ("train.batch_size", t.batch_size),
+        ("train.microbatch_size", t.microbatch_size), ("train.eval_batches", t.eval_batches),
+    ]:
+        need(value > 0, where, f"must be positive, got {value}")
+    need(m.vocab_size >= 260, "model.vocab_size", f"must be at least 260 (256 bytes + specials), got {m.vocab_size}")
+    need(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
+    need(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads must be even for rotary, got {m.head_dim}")
+    need(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    need(m.norm_eps > 0, "model.norm_eps", "must be positive")
+    need(m.init_std > 0, "model.init_std", "must be positive")
+    need(p.stages >= 2, "pipeline.stages", f"needs stage 0 and at least one block stage, got {p.stages}")
+    need(
+        p.stages - 1 <= m.n_layers,
+        "pipeline.stages",
+        f"{p.stages - 1} block stages but only {m.n_layers} blocks (model.n_layers)",
+    )
+    need(p.wire_dtype in WIRE_DTYPES, "pipeline.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}")
+    need(t.seq_len <= m.max_seq_len, "train.seq_len", f"exceeds model.max_seq_len ({m.max_seq_len})")
+    need(
+        t.batch_size % t.microbatch_size == 0,
+        "train.microbatch_size",
+        f"must divide train.batch_size ({t.batch_size}), got {t.microbatch_size}",
+    )
+    need(t.seed >= 0, "train.seed", "must be non-negative")
+    need(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    need(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be non-negative")
+    need(o.weight_decay >= 0, "optim.weight_decay", "must be non-negative")
+    need(0.0 <= o.beta1 < 1.0, "optim.beta1", "must be in [0, 1)")
+    need(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
+    need(o.grad_clip > 0, "optim.grad_clip", "must be positive")
+    need(0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    cfg = _build(RunConfig, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def parse_run_config(text: str, source: str = "run config") -> RunConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("", f"{source}: not valid TOML ({e})") from None
+    return run_config_from_dict(data)
+
+
+def bundled_runs() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("shoal.runs").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def load_run_config(name_or_path: str) -> RunConfig:
+    """A bundled run by name (`tiny`) or a TOML file path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError("", f"cannot read run config {name_or_path}: {e.strerror}") from None
+        return parse_run_config(text, source=str(path))
+    if name_or_path not in bundled_runs():
+        raise ConfigError("", f"no bundled run named {name_or_path!r} (bundled: {', '.join(bundled_runs())})")
+    text = resources.files("shoal.runs").joinpath(f"{name_or_path}.toml").read_text()
+    return parse_run_config(text, source=name_or_path)
+
+
+DEFAULT_RUN = "tiny"

@@ -1,0 +1,1 @@
+"""The LLaMA-style decoder, built as pipeline stages; the tokenizer and the corpus."""

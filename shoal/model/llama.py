@@ -1,0 +1,168 @@
+"""A compact LLaMA-style decoder, written as pipeline stages.
+
+Stage 0 (`HeadStage`) owns the token embedding, the final RMSNorm, the LM head and the loss, so
+a microbatch starts and ends on the peer that holds the data and the labels. Block stages
+(`BlockStage`) each own a contiguous range of transformer blocks. `Llama` is the same network in
+one module: the single-process reference that the stage split must reproduce.
+
+Every weight is drawn from a generator seeded by (run seed, block index), so any replica of any
+stage, on any machine, under any stage split, starts bit-identical without a download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.model.config import ModelConfig
+
+
+def derive_seed(seed: int, *labels: object) -> int:
+    """A stable 63-bit seed from a base seed and labels (Python's hash() is salted per process)."""
+    text = ":".join([str(seed), *map(str, labels)]).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd), rotating each (even, odd) pair of channels by its position's angle
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = (z.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _init_block(block: Block, cfg: ModelConfig, generator: torch.Generator) -> None:
+    # Residual output projections are scaled down with depth (GPT-2), so deep stacks start stable.
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    with torch.no_grad():
+        for name, param in block.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name in ("attn.out.weight", "mlp.down.weight"):
+                param.normal_(0.0, residual_std, generator=generator)
+            else:
+                param.normal_(0.0, cfg.init_std, generator=generator)
+
+
+def build_block(cfg: ModelConfig, seed: int, index: int) -> Block:
+    block = Block(cfg)
+    _init_block(block, cfg, torch.Generator().manual_seed(derive_seed(seed, "block", index)))
+    return block
+
+
+class BlockStage(nn.Module):
+    """Transformer blocks [first, first + len(blocks)): activation (B, T, C) in, (B, T, C) out."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, seed: int):
+        super().__init__()
+        self.layers = layers
+        self.blocks = nn.ModuleList(build_block(cfg, seed, i) for i in layers)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return x
+
+
+class HeadStage(nn.Module):
+    """Stage 0: token ids -> embeddings on the way in; activations -> logits -> loss on the way out."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        generator = torch.Generator().manual_seed(derive_seed(seed, "head"))
+        with torch.no_grad():
+            self.embedding.weight.normal_(0.0, cfg.init_std, generator=generator)
+            self.lm_head.weight.normal_(0.0, cfg.init_std, generator=generator)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding(tokens)  # (B, T) -> (B, T, C)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class Llama(nn.Module):
+    """The unsplit network: the single-process reference for numerical-parity tests."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        super().__init__()
+        self.head = HeadStage(cfg, seed)
+        self.blocks = nn.ModuleList(build_block(cfg, seed, i) for i in range(cfg.n_layers))
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.head.embed(tokens)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return self.head.loss(x, targets)

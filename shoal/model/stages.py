@@ -1,0 +1,81 @@
+"""How the decoder splits into pipeline stages, and running a microbatch through any route.
+
+A route is an ordered list of block stages. The full pipeline is [1, 2, ..., S-1]; later work
+skips stages or swaps neighbours (SkipPipe, CheckFree+), so nothing here assumes the order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shoal.model.config import ModelConfig
+from shoal.model.llama import BlockStage, HeadStage
+
+
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """The blocks stage `stage` owns: stage 0 none, stages 1..S-1 a balanced contiguous split."""
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} out of range for {stages} stages")
+    if stage == 0:
+        return range(0, 0)
+    block_stages = stages - 1
+    if block_stages > n_layers:
+        raise ValueError(f"{block_stages} block stages but only {n_layers} blocks")
+    base, extra = divmod(n_layers, block_stages)
+    k = stage - 1
+    start = k * base + min(k, extra)
+    return range(start, start + base + (1 if k < extra else 0))
+
+
+def build_stage(cfg: ModelConfig, stages: int, stage: int, seed: int) -> HeadStage | BlockStage:
+    """Deterministic in (cfg, stages, stage, seed): every replica of a stage starts bit-identical."""
+    if stage == 0:
+        return HeadStage(cfg, seed)
+    return BlockStage(cfg, stage_layers(cfg.n_layers, stages, stage), seed)
+
+
+def build_all_stages(cfg: ModelConfig, stages: int, seed: int) -> tuple[HeadStage, list[BlockStage]]:
+    head = build_stage(cfg, stages, 0, seed)
+    blocks = [build_stage(cfg, stages, s, seed) for s in range(1, stages)]
+    return head, blocks  # type: ignore[return-value]
+
+
+def forward_route(
+    head: HeadStage, route: Sequence[BlockStage], tokens: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Loss of one microbatch through the block stages in `route` order, in one autograd graph."""
+    x = head.embed(tokens)
+    for stage in route:
+        x = stage(x)
+    return head.loss(x, targets)
+
+
+def hop_by_hop_step(
+    head: HeadStage, route: Sequence[BlockStage], tokens: torch.Tensor, targets: torch.Tensor,
+    loss_scale: float = 1.0,
+) -> float:
+    """Forward and backward the way the swarm does it: each hop sees only a detached input.
+
+    Every hop keeps its own graph, the gradient of the next hop's input crosses the boundary as a
+    plain tensor. Accumulates parameter gradients (scaled by `loss_scale`) and returns the loss.
+    """
+    embedded = head.embed(tokens)
+    inputs, outputs = [], []
+    x = embedded.detach()
+    for stage in route:
+        x_in = x.requires_grad_(True)
+        x_out = stage(x_in)
+        inputs.append(x_in)
+        outputs.append(x_out)
+        x = x_out.detach()
+    last = x.requires_grad_(True)
+    loss = head.loss(last, targets)
+    (loss * loss_scale).backward()
+    grad = last.grad
+    for x_in, x_out in zip(reversed(inputs), reversed(outputs), strict=True):
+        x_out.backward(grad)
+        grad = x_in.grad
+    embedded.backward(grad)
+    return float(loss.detach())

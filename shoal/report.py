@@ -1,0 +1,47 @@
+"""Run reports: `report.json` and `loss.png`, written atomically into a folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_loss(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[float]]], title: str) -> None:
+    """One line per curve name: (x values, loss values)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (xs, ys) in curves.items():
+        ax.plot(xs, ys, label=name, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(curves) > 1:
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(directory: str | Path, report: dict[str, Any],
+                 curves: dict[str, tuple[Sequence[float], Sequence[float]]], title: str) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    plot_loss(directory / "loss.png", curves, title)
+    write_json_atomic(directory / "report.json", report)  # last: its presence marks a complete report
+    return directory / "report.json"

@@ -1,0 +1,1 @@
+"""Bundled run configs (TOML), loadable by name: `shoal train --local --run tiny`."""

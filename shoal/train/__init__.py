@@ -1,0 +1,1 @@
+"""Pure training math: schedules, the inner optimizer of a stage, the reference trainer loop."""

@@ -1,0 +1,107 @@
+"""`shoal train --local`: the single-process reference trainer, with a progress bar and a report.
+
+    shoal train --local --steps 150 --report out
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+from shoal.config import DEFAULT_RUN, ConfigError, RunConfig, load_run_config
+from shoal.errors import UsageError
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that choose a run config; shared by every command that trains."""
+    parser.add_argument("--run", default=None, help=f"bundled run name (default: {DEFAULT_RUN})")
+    parser.add_argument("--run-config", default=None, metavar="FILE", help="run config TOML file")
+    parser.add_argument("--data", default=None, metavar="PATH", help="text file or folder to train on")
+    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
+    parser.add_argument("--seed", type=int, default=None, help="override train.seed")
+
+
+def resolve_run(args: argparse.Namespace) -> RunConfig:
+    if args.run and args.run_config:
+        raise UsageError("give --run or --run-config, not both")
+    run = load_run_config(args.run_config or args.run or DEFAULT_RUN)
+    overrides: dict[str, Any] = {}
+    if args.data is not None:
+        overrides["data.path"] = args.data
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.seed is not None:
+        overrides["train.seed"] = args.seed
+    try:
+        return run.replace(overrides)
+    except ConfigError as e:
+        raise ConfigError(f"--{e.field.split('.')[-1]}", str(e).split(": ", 1)[-1]) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true", required=True,
+                        help="train in this one process (the reference; the swarm is `shoal demo`/`node`)")
+    add_run_arguments(parser)
+    parser.add_argument("--report", default="report", metavar="DIR", help="write report.json and loss.png here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def unigram_entropy(tokens, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
+    import torch
+
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def run(args: argparse.Namespace) -> int:
+    run_config = resolve_run(args)
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shoal.model.data import load_token_splits
+    from shoal.report import write_report
+    from shoal.train.reference import ReferenceTrainer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    splits = load_token_splits(run_config.data, run_config.model.vocab_size)
+    trainer = ReferenceTrainer(run_config, splits)
+    columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+               TimeElapsedColumn()]
+    with Progress(*columns, disable=args.quiet, transient=False) as progress:
+        task = progress.add_task("train", total=run_config.train.steps, loss=math.nan, tps=0.0)
+        result = trainer.train(lambda r: progress.update(task, advance=1, loss=r.loss, tps=r.tokens_per_s))
+    entropy = unigram_entropy(splits.train, run_config.model.vocab_size)
+    report = {
+        "mode": "local",
+        "run": run_config.name,
+        "run_id": run_config.run_id,
+        "steps": result.steps,
+        "initial_loss": result.initial_loss,
+        "final_loss": result.final_loss,
+        "val_loss": result.val_loss,
+        "unigram_entropy": entropy,
+        "tokens_per_s": result.tokens_per_s,
+        "params": result.params,
+        "train_wall_s": result.wall_s,
+        "threads": torch.get_num_threads(),
+        "data": {"source": splits.source, "train_tokens": len(splits.train), "val_tokens": len(splits.val),
+                 "bytes_per_token": splits.bytes_per_token},
+        "losses": [r.loss for r in result.history],
+    }
+    path = write_report(args.report, report,
+                        {"train": ([r.step for r in result.history], report["losses"])},
+                        f"shoal train --local ({run_config.name})")
+    print(f"steps {result.steps}  loss {result.initial_loss:.3f} -> {result.final_loss:.3f}  "
+          f"val {result.val_loss:.3f}  (unigram entropy {entropy:.3f})  "
+          f"{result.tokens_per_s:,.0f} tok/s  params {result.params:,}", file=sys.stderr)
+    print(path)
+    return 0

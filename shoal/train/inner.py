@@ -1,0 +1,48 @@
+"""The inner optimizer of one stage: AdamW, per-stage gradient clipping, the run's schedule.
+
+Gradients are clipped per stage, not over the whole model: a stage worker only sees its own
+gradients, and the single-process reference trainer clips the same way so the two match step for
+step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shoal.config import OptimConfig
+from shoal.train.schedule import learning_rate
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    lr: float
+    grad_norm: float
+
+
+class InnerOptimizer:
+    def __init__(self, module: nn.Module, optim: OptimConfig, total_steps: int, lr_scale: float = 1.0):
+        self.module, self.optim, self.total_steps, self.lr_scale = module, optim, total_steps, lr_scale
+        decay = [p for p in module.parameters() if p.dim() >= 2]
+        no_decay = [p for p in module.parameters() if p.dim() < 2]  # norms: no weight decay
+        groups = [{"params": decay, "weight_decay": optim.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        self.adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), foreach=False)
+        self.step_count = 0
+
+    def step(self) -> StepStats:
+        """Clip, step and zero the gradients accumulated since the last step."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip)) if params else 0.0
+        lr = learning_rate(self.step_count, self.optim, self.total_steps) * self.lr_scale
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        stats = StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm)
+        self.step_count += 1
+        return stats

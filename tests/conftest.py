@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Tokenizers and token caches go to a per-session temp folder, never ~/.cache."""
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path_factory.getbasetemp() / "shoal-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    torch.set_num_threads(1)
+    yield

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny configs, in-process text, process launchers."""

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.config import ConfigError, bundled_runs, load_run_config, parse_run_config
+
+TINY = load_run_config("tiny")
+
+
+def test_bundled_tiny_run_loads_and_round_trips_through_toml():
+    assert "tiny" in bundled_runs()
+    again = parse_run_config(TINY.to_toml())
+    assert again == TINY
+    assert again.run_id == TINY.run_id
+
+
+def test_run_id_changes_with_any_field():
+    assert TINY.replace({"optim.lr": 1e-3}).run_id != TINY.run_id
+
+
+@pytest.mark.parametrize(
+    "toml, field",
+    [
+        ("[model]\nn_layers = 2\n[pipeline]\nstages = 4\n", "pipeline.stages"),
+        ("[model]\nwidth = 3\n", "model.width"),
+        ("colour = 'red'\n", "colour"),
+        ("[model]\nd_model = 130\nn_heads = 4\n", "model.n_heads"),
+        ("[train]\nbatch_size = 10\nmicrobatch_size = 4\n", "train.microbatch_size"),
+        ("[train]\nsteps = 'many'\n", "train.steps"),
+        ("[train]\nseq_len = 4096\n", "train.seq_len"),
+        ("[optim]\nlr = -1\n", "optim.lr"),
+        ("[pipeline]\nwire_dtype = 'int8'\n", "pipeline.wire_dtype"),
+        ("model = 3\n", "model"),
+        ("[train]\nsteps = true\n", "train.steps"),
+    ],
+)
+def test_bad_configs_name_the_field(toml, field):
+    with pytest.raises(ConfigError) as info:
+        parse_run_config(toml)
+    assert info.value.field == field
+    assert "\n" not in str(info.value)
+
+
+def test_not_toml_is_a_config_error():
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_run_config("[model\n")
+
+
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [("[model]\nn_layers = 2\n[pipeline]\nstages = 4\n", "pipeline.stages"), ("[model]\nwidth = 3\n", "model.width")],
+)
+def test_cli_refuses_bad_config_with_one_line_and_no_traceback(tmp_path, toml, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(path), "--report",
+         str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert fragment in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_missing_config_file(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(tmp_path / "nope.toml")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "cannot read run config" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.model.config import ModelConfig
+from shoal.model.llama import Llama
+from shoal.model.stages import build_all_stages, build_stage, forward_route, hop_by_hop_step, stage_layers
+
+CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16)
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CFG.vocab_size, (3, 12), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (3, 12), generator=g)
+    return tokens, targets
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+def test_stage_layers_partition_all_blocks_contiguously(stages):
+    ranges = [stage_layers(CFG.n_layers, stages, s) for s in range(stages)]
+    assert len(ranges[0]) == 0
+    flat = [i for r in ranges[1:] for i in r]
+    assert flat == list(range(CFG.n_layers))
+    sizes = [len(r) for r in ranges[1:]]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_more_block_stages_than_blocks_is_refused():
+    with pytest.raises(ValueError, match="block stages"):
+        stage_layers(CFG.n_layers, CFG.n_layers + 2, 1)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 6])
+def test_chained_stages_equal_unsplit_model_forward_and_gradients(stages):
+    tokens, targets = _batch()
+    reference = Llama(CFG, seed=7)
+    ref_loss = reference(tokens, targets)
+    ref_loss.backward()
+
+    head, blocks = build_all_stages(CFG, stages, seed=7)
+    loss = hop_by_hop_step(head, blocks, tokens, targets)
+    assert loss == pytest.approx(float(ref_loss), abs=1e-6)
+
+    ref_blocks = dict(reference.blocks.named_parameters())
+    for stage in blocks:
+        for name, param in stage.blocks.named_parameters():
+            local, rest = name.split(".", 1)
+            ref = ref_blocks[f"{stage.layers[int(local)]}.{rest}"]
+            torch.testing.assert_close(param, ref, rtol=0, atol=0)
+            torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+    for name, param in head.named_parameters():
+        ref = dict(reference.head.named_parameters())[name]
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_hop_by_hop_gradients_match_one_graph():
+    tokens, targets = _batch(1)
+    head_a, blocks_a = build_all_stages(CFG, 4, seed=3)
+    head_b, blocks_b = build_all_stages(CFG, 4, seed=3)
+    forward_route(head_a, blocks_a, tokens, targets).mul(0.5).backward()
+    hop_by_hop_step(head_b, blocks_b, tokens, targets, loss_scale=0.5)
+    for a, b in zip([head_a, *blocks_a], [head_b, *blocks_b], strict=True):
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_building_a_stage_is_deterministic_and_independent_of_global_rng():
+    torch.manual_seed(1)
+    a = build_stage(CFG, 3, 2, seed=11)
+    torch.manual_seed(2)
+    _ = torch.randn(100)
+    b = build_stage(CFG, 3, 2, seed=11)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb
+        assert torch.equal(pa, pb)
+    c = build_stage(CFG, 3, 2, seed=12)
+    assert not torch.equal(a.state_dict()["blocks.0.attn.qkv.weight"], c.state_dict()["blocks.0.attn.qkv.weight"])
+
+
+def test_same_block_has_same_weights_under_any_split():
+    three = build_stage(CFG, 3, 2, seed=5)  # blocks 3..4 of 5 with 2 block stages
+    six = build_stage(CFG, 6, 4, seed=5)  # block 3 alone
+    assert three.layers[0] == six.layers[0] == 3
+    assert torch.equal(three.blocks[0].mlp.up.weight, six.blocks[0].mlp.up.weight)
+
+
+def test_route_order_matters():
+    tokens, targets = _batch(2)
+    head, blocks = build_all_stages(CFG, 4, seed=0)
+    with torch.no_grad():
+        in_order = forward_route(head, blocks, tokens, targets)
+        swapped = forward_route(head, [blocks[1], blocks[0], blocks[2]], tokens, targets)
+        skipped = forward_route(head, [blocks[0], blocks[2]], tokens, targets)
+    assert float(in_order) != float(swapped)
+    assert float(in_order) != float(skipped)
