@@ -16,6 +16,9 @@ from shoal.errors import UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shoal.train.command", "train the whole model in one process (the reference trainer)"),
+    "bootstrap": ("shoal.bootstrap.command", "host a bootstrap peer and print its addresses"),
+    "node": ("shoal.node.command", "join a swarm and work"),
+    "status": ("shoal.node.status", "show the swarm at a glance"),
 }
 
 

@@ -14,3 +14,15 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def _torch_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """Real shoal processes on loopback; every one is ended by pid when the test ends."""
+    from tests.helpers.processes import Swarm
+
+    launched = Swarm(tmp_path)
+    try:
+        yield launched
+    finally:
+        launched.close()

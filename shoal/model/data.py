@@ -102,8 +102,11 @@ class BatchSampler:
 
 
 def validation_batches(val: torch.Tensor, seq_len: int, batch_size: int, count: int):
-    """The first `count` batches of consecutive validation windows: the same for every peer."""
+    """`count` batches of validation windows spread evenly over the held-out split (the same for every
+    peer), so a small evaluation still samples every part of the corpus."""
     windows = (len(val) - 1) // seq_len
-    for b in range(min(count, windows // batch_size)):
-        rows = torch.stack([val[(b * batch_size + j) * seq_len :][: seq_len + 1] for j in range(batch_size)])
+    wanted = min(count * batch_size, windows - windows % batch_size)
+    starts = torch.linspace(0, windows - 1, wanted).long() * seq_len if wanted > 0 else torch.empty(0).long()
+    for b in range(wanted // batch_size):
+        rows = torch.stack([val[s : s + seq_len + 1] for s in starts[b * batch_size : (b + 1) * batch_size].tolist()])
         yield rows[:, :-1], rows[:, 1:]

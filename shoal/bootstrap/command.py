@@ -1,0 +1,41 @@
+"""`shoal bootstrap`: host a bootstrap peer and print the addresses others pass as --initial-peers.
+
+    shoal bootstrap --identity bootstrap.id --host-maddrs /ip4/0.0.0.0/tcp/31337 --run-config run.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shoal.node.command import add_network_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_network_arguments(parser)
+    parser.add_argument("--run-config", default=None, metavar="FILE",
+                        help="publish this run (signed) as the swarm's default, and keep republishing it")
+    parser.add_argument("--record-ttl", type=float, default=60.0, help="lifetime of the published run record")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shoal.bootstrap.peer import BootstrapPeer
+    from shoal.config import load_run_config
+    from shoal.errors import UsageError
+    from shoal.node.runtime import run_daemon
+
+    run_config = load_run_config(args.run_config) if args.run_config else None
+    if not 3.0 <= args.record_ttl <= 3600.0:
+        raise UsageError("--record-ttl must be between 3 and 3600 seconds")
+
+    async def create() -> BootstrapPeer:
+        return await BootstrapPeer.create(args.identity, args.host_maddrs, args.announce_maddrs,
+                                          args.initial_peers, run_config, args.record_ttl)
+
+    async def announce(peer: BootstrapPeer) -> None:
+        for maddr in await peer.maddrs():
+            print(maddr, flush=True)
+        if run_config is not None:
+            print(f"publishing run {run_config.name}@{run_config.run_id}", file=sys.stderr, flush=True)
+
+    return run_daemon(create, announce)

@@ -1,0 +1,68 @@
+"""A bootstrap peer: joins (or starts) the DHT, optionally publishes the run config, republishes it.
+
+It holds no model and is not special: once others have joined through it, any peer can stand in
+for it, and the swarm keeps working when it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from shoal.config import RunConfig
+from shoal.dht.identity import load_identity
+from shoal.dht.swarm import SwarmDHT
+
+logger = logging.getLogger(__name__)
+
+
+class BootstrapPeer:
+    def __init__(self, dht: SwarmDHT, run: RunConfig | None, record_ttl_s: float):
+        self.dht, self.run, self.record_ttl_s = dht, run, record_ttl_s
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def create(cls, identity_path: str | None, host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+                     initial_peers: Sequence[str] = (), run: RunConfig | None = None,
+                     record_ttl_s: float = 60.0) -> BootstrapPeer:
+        dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
+        peer = cls(dht, run, record_ttl_s)
+        if run is not None:
+            await peer._publish_run()
+            peer._tasks.append(asyncio.create_task(peer._republish(), name="republish-run"))
+        return peer
+
+    async def _publish_run(self) -> None:
+        assert self.run is not None
+        if not await self.dht.publish_run(self.run, self.record_ttl_s, as_default=True):
+            logger.warning("run config %s was not stored by any peer yet", self.run.run_id)
+
+    async def _republish(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.record_ttl_s / 3)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self._publish_run()
+            except Exception:
+                logger.exception("republishing the run config failed")
+
+    async def maddrs(self) -> list[str]:
+        return await self.dht.visible_maddrs()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run_until_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.dht.shutdown()

@@ -1,0 +1,73 @@
+"""Schemas of the values shoal stores in the DHT, as strict pydantic.v1 models.
+
+Every peer checks every value it is asked to store or receives against these (see validator.py),
+so a malformed record never enters anyone's view. hivemind's schema machinery is pydantic.v1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import v1 as pydantic
+
+from shoal.planning.swarm_view import ROLE_DATA, ROLE_WORKER, STATE_ACTIVE, STATE_JOINING, STATE_LEAVING, NodeInfo
+
+MAX_MADDRS = 16
+MAX_RUN_TOML_BYTES = 16 * 1024
+
+
+class _Strict(pydantic.BaseModel):
+    class Config:
+        extra = pydantic.Extra.forbid
+        allow_mutation = False
+
+
+_finite = pydantic.confloat(strict=True, ge=0.0, le=1e12)
+_id = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._@:-]+$")
+
+
+class NodeRecord(_Strict):
+    kind: pydantic.constr(strict=True, regex="^node$")  # type: ignore[valid-type]
+    run_id: _id  # type: ignore[valid-type]
+    peer_id: _id  # type: ignore[valid-type]
+    maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
+    role: pydantic.constr(strict=True, regex=f"^({ROLE_DATA}|{ROLE_WORKER})$")  # type: ignore[valid-type]
+    stage: pydantic.conint(strict=True, ge=0, le=4096)  # type: ignore[valid-type]
+    state: pydantic.constr(strict=True, regex=f"^({STATE_JOINING}|{STATE_ACTIVE}|{STATE_LEAVING})$")  # type: ignore[valid-type]
+    block_throughput: _finite  # type: ignore[valid-type]
+    max_inflight: pydantic.conint(strict=True, ge=0, le=1_000_000)  # type: ignore[valid-type]
+    inner_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    outer_epoch: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    loss: _finite | None  # type: ignore[valid-type]
+    grad_norm: _finite | None  # type: ignore[valid-type]
+    protocol_version: pydantic.conint(strict=True, ge=0, le=1_000_000)  # type: ignore[valid-type]
+    started_at: _finite  # type: ignore[valid-type]
+    updated_at: _finite  # type: ignore[valid-type]
+
+
+class RunRecord(_Strict):
+    kind: pydantic.constr(strict=True, regex="^run$")  # type: ignore[valid-type]
+    name: _id  # type: ignore[valid-type]
+    run_id: _id  # type: ignore[valid-type]
+    toml: pydantic.constr(strict=True, max_length=MAX_RUN_TOML_BYTES)  # type: ignore[valid-type]
+    published_at: _finite  # type: ignore[valid-type]
+
+
+def check_exact(model: type[_Strict], value: Any) -> _Strict:
+    """Parse and insist nothing was coerced (pydantic.v1 would turn 3.0 into 3 otherwise)."""
+    if not isinstance(value, dict):
+        raise ValueError("record is not a map")
+    parsed = model.parse_obj(value)
+    if parsed.dict() != value:
+        raise ValueError("record fields changed type under validation")
+    return parsed
+
+
+def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
+    return NodeInfo(
+        peer_id=record.peer_id, role=record.role, stage=record.stage, state=record.state,
+        block_throughput=record.block_throughput, max_inflight=record.max_inflight, maddrs=tuple(record.maddrs),
+        inner_step=record.inner_step, outer_epoch=record.outer_epoch, loss=record.loss,
+        grad_norm=record.grad_norm, protocol_version=record.protocol_version, started_at=record.started_at,
+        updated_at=record.updated_at, expires_at=expires_at,
+    )

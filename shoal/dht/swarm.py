@@ -1,0 +1,144 @@
+"""One peer's handle on the swarm: its libp2p host, its DHT node and its signing identity.
+
+hivemind's `DHTNode` runs inside our event loop on our `P2P` (no forked DHT process, no pipe hops).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind.dht import DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from shoal.config import RunConfig, parse_run_config
+from shoal.dht.identity import Identity
+from shoal.dht.keys import DEFAULT_RUN_KEY, nodes_key, run_key
+from shoal.dht.records import NodeRecord, RunRecord, check_exact, node_info
+from shoal.dht.validator import ShoalRecordValidator
+from shoal.errors import UsageError
+from shoal.model.stages import stage_layers
+from shoal.planning.swarm_view import SwarmView
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+class SwarmDHT:
+    def __init__(self, p2p: P2P, node: DHTNode, identity: Identity):
+        self.p2p, self.node, self.identity = p2p, node, identity
+        self.owner_subkey = RSASignatureValidator(identity.signing_key).local_public_key
+        self._last_expiration: dict[str, float] = {}
+
+    @classmethod
+    async def create(
+        cls,
+        identity: Identity,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
+        announce_maddrs: Sequence[str] = (),
+        client_mode: bool = False,
+        startup_timeout_s: float = 30.0,
+    ) -> SwarmDHT:
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(initial_peers) or None,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=identity.p2p_key_path,
+                dht_mode="client" if client_mode else "server",
+                nat_port_map=False,  # no UPnP multicast onto the local network
+                startup_timeout=startup_timeout_s,
+            )
+        except Exception as e:
+            raise UsageError(f"could not start the libp2p daemon: {e}") from e
+        try:
+            node = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(initial_peers) or None,
+                client_mode=client_mode,
+                record_validator=CompositeValidator(
+                    [RSASignatureValidator(identity.signing_key), ShoalRecordValidator()]
+                ),
+                ensure_bootstrap_success=True,
+                cache_locally=False,  # a stale local copy would hide a peer that crashed
+            )
+        except Exception as e:
+            await p2p.shutdown()
+            raise UsageError(f"could not join the swarm through {', '.join(initial_peers)}: {e}") from e
+        return cls(p2p, node, identity)
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    def _next_expiration(self, key: str, ttl_s: float) -> float:
+        # a store whose expiration is not later than the stored one is refused: always move forward
+        expiration = max(get_dht_time() + ttl_s, self._last_expiration.get(key, 0.0) + 1e-3)
+        self._last_expiration[key] = expiration
+        return expiration
+
+    async def _store(self, key: str, value: dict[str, Any], ttl_s: float) -> bool:
+        return bool(await self.node.store(key, value, self._next_expiration(key, ttl_s), subkey=self.owner_subkey))
+
+    async def publish_node(self, record: dict[str, Any], ttl_s: float) -> bool:
+        check_exact(NodeRecord, record)  # never publish what peers would refuse
+        return await self._store(nodes_key(record["run_id"]), record, ttl_s)
+
+    async def publish_run(self, config: RunConfig, ttl_s: float, as_default: bool) -> bool:
+        record = {"kind": "run", "name": config.name, "run_id": config.run_id, "toml": config.to_toml(),
+                  "published_at": float(get_dht_time())}
+        check_exact(RunRecord, record)
+        stored = await self._store(run_key(config.name), record, ttl_s)
+        if as_default:
+            stored = await self._store(DEFAULT_RUN_KEY, record, ttl_s) and stored
+        return stored
+
+    async def read_runs(self, name: str | None) -> list[RunConfig]:
+        """Every distinct valid config published under a run name (or as the swarm's default)."""
+        found = await self.node.get(run_key(name) if name else DEFAULT_RUN_KEY, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        configs: dict[str, RunConfig] = {}
+        for entry in found.value.values():
+            try:
+                record = check_exact(RunRecord, entry.value)
+                config = parse_run_config(record.toml)
+            except Exception as e:
+                logger.warning("ignoring an invalid run record: %s", e)
+                continue
+            if config.run_id == record.run_id:
+                configs[config.run_id] = config
+        return list(configs.values())
+
+    async def read_view(self, run: RunConfig) -> SwarmView:
+        found = await self.node.get(nodes_key(run.run_id), latest=True)
+        now = get_dht_time()
+        nodes = []
+        if found is not None and isinstance(found.value, dict):
+            for entry in found.value.values():
+                try:
+                    record = check_exact(NodeRecord, entry.value)
+                except Exception as e:
+                    logger.warning("ignoring an invalid node record: %s", e)
+                    continue
+                if record.run_id == run.run_id and entry.expiration_time > now:
+                    nodes.append(node_info(record, entry.expiration_time))
+        nodes.sort(key=lambda n: (n.stage, n.peer_id))
+        stages = run.pipeline.stages
+        blocks = tuple(len(stage_layers(run.model.n_layers, stages, s)) for s in range(stages))
+        return SwarmView(run.run_id, run.pipeline.stages, blocks, tuple(nodes), taken_at=now)
+
+    async def shutdown(self) -> None:
+        try:
+            await self.node.shutdown()
+        finally:
+            await self.p2p.shutdown()

@@ -1,0 +1,1 @@
+"""The daemon: lifecycle, RPC services, stage worker, data driver."""

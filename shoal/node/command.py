@@ -1,0 +1,63 @@
+"""`shoal node`: join a swarm and work.
+
+    shoal node --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME | --run-config FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_network_arguments(parser: argparse.ArgumentParser, with_identity: bool = True) -> None:
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                        help="multiaddresses of any peers of the swarm (e.g. a bootstrap peer)")
+    parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
+                        help="where to listen (default: loopback, a free port; use /ip4/0.0.0.0/tcp/PORT "
+                             "to accept peers from other machines)")
+    parser.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                        help="the addresses other peers should dial (behind NAT or port forwarding)")
+    if with_identity:
+        parser.add_argument("--identity", default=None, metavar="PATH",
+                            help="identity file, created on first use; keeps the peer id across restarts")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_network_arguments(parser)
+    parser.add_argument("--run", default=None, metavar="NAME[@RUN_ID]", help="join this run published in the swarm")
+    parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
+    parser.add_argument("--data", default=None, metavar="PATH", help="text file or folder (data nodes)")
+    parser.add_argument("--role", default="auto", help="auto (default), data or worker")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
+    parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
+    parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
+    parser.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line here once active")
+
+
+def node_config(args: argparse.Namespace):
+    from shoal.node.config import NodeConfig
+
+    return NodeConfig(
+        initial_peers=tuple(args.initial_peers), identity=args.identity, host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs), run_name=args.run, run_config_path=args.run_config,
+        data_path=args.data, role=args.role, threads=args.threads, max_inflight=args.max_inflight,
+        record_ttl_s=args.record_ttl, ready_file=args.ready_file,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = node_config(args)
+    import torch
+
+    from shoal.node.daemon import Node
+    from shoal.node.runtime import run_daemon
+
+    torch.set_num_threads(config.threads)
+    if not config.initial_peers:
+        print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
+
+    async def announce(node: Node) -> None:
+        print(f"node {node.peer_id} active: {node.role} on stage {node.stage} of run "
+              f"{node.run.name}@{node.run.run_id}", flush=True)
+
+    return run_daemon(lambda: Node.create(config), announce)

@@ -1,0 +1,44 @@
+"""NodeConfig: how this peer runs (as opposed to RunConfig: what the swarm trains)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.config import ConfigError
+
+ROLES = ("auto", "data", "worker")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    initial_peers: tuple[str, ...] = ()
+    identity: str | None = None  # path of the identity file; None = a fresh identity each start
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    run_name: str | None = None  # read this run's config from the DHT
+    run_config_path: str | None = None  # or from this file
+    data_path: str | None = None  # overrides the run's data.path for this node
+    role: str = "auto"
+    threads: int = 1
+    max_inflight: int | None = None  # None: derived from free memory
+    record_ttl_s: float = 30.0
+    rpc_timeout_s: float = 30.0
+    drain_timeout_s: float = 5.0
+    ready_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.threads < 1:
+            raise ConfigError("--threads", "must be at least 1")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ConfigError("--max-inflight", "must be at least 1")
+        if not 3.0 <= self.record_ttl_s <= 3600.0:
+            raise ConfigError("--record-ttl", "must be between 3 and 3600 seconds")
+        if self.run_name and self.run_config_path:
+            raise ConfigError("--run", "give --run or --run-config, not both")
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Re-announce at a third of the record's lifetime, so two lost heartbeats do not expire it."""
+        return self.record_ttl_s / 3

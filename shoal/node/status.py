@@ -1,0 +1,84 @@
+"""`shoal status`: the swarm at a glance, as a table or as JSON.
+
+    shoal status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shoal.node.command import add_network_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_network_arguments(parser, with_identity=False)
+    parser.add_argument("--run", default=None, metavar="NAME[@RUN_ID]", help="the run to show")
+    parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def summarize(run, view) -> dict[str, Any]:
+    """The status document: run, nodes and per-stage totals (plain data, also used by the demo)."""
+    now = view.taken_at
+    nodes = []
+    for n in view.nodes:
+        blocks = max(1, view.blocks_per_stage[n.stage])
+        nodes.append({
+            "peer_id": n.peer_id, "role": n.role, "stage": n.stage, "state": n.state,
+            "throughput": n.block_throughput / blocks, "block_throughput": n.block_throughput,
+            "max_inflight": n.max_inflight, "inner_step": n.inner_step, "outer_epoch": n.outer_epoch,
+            "loss": n.loss, "grad_norm": n.grad_norm, "age_s": max(0.0, now - n.updated_at),
+            "expires_in_s": max(0.0, n.expires_at - now), "maddrs": list(n.maddrs),
+        })
+    stages = [{"stage": s, "replicas": len(view.replicas(s)),
+               "throughput": view.stage_throughput(s) if s else None} for s in range(view.stages)]
+    return {"run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
+            "nodes": nodes, "stages": stages}
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    run = doc["run"]
+    table = Table(title=f"run {run['name']}@{run['run_id']}: {len(doc['nodes'])} nodes, {run['stages']} stages")
+    for column in ("peer", "role", "stage", "mb/s", "state", "inner step", "loss", "age"):
+        table.add_column(column, justify="right" if column not in ("peer", "role", "state") else "left")
+    for n in doc["nodes"]:
+        table.add_row("…" + n["peer_id"][-10:], n["role"], str(n["stage"]), f"{n['throughput']:.1f}", n["state"],
+                      str(n["inner_step"]), "-" if n["loss"] is None else f"{n['loss']:.3f}", f"{n['age_s']:.0f}s")
+    console = Console()
+    console.print(table)
+    covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])
+    console.print(f"replicas per stage  {covered}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from shoal.dht.identity import load_identity
+    from shoal.dht.swarm import SwarmDHT
+    from shoal.errors import UsageError
+    from shoal.node.config import NodeConfig
+    from shoal.node.daemon import resolve_run
+
+    if not args.initial_peers:
+        raise UsageError("--initial-peers is required: the address of any peer of the swarm")
+    lookup = NodeConfig(run_name=args.run, run_config_path=args.run_config)
+
+    async def main() -> dict[str, Any]:
+        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)
+        try:
+            run_config = await resolve_run(dht, lookup)
+            return summarize(run_config, await dht.read_view(run_config))
+        finally:
+            await dht.shutdown()
+
+    doc = uvloop.run(main())
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_table(doc)
+    return 0

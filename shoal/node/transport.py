@@ -1,0 +1,180 @@
+"""Framed request/response over libp2p binary streams.
+
+A frame is a 4-byte big-endian length and that many bytes. A call opens one stream, sends a
+request message (and, for pipeline calls, tensors as a header frame plus raw chunk frames), and
+reads the reply. Every read has a deadline and a size bound checked before the payload is read,
+and every failure a handler meets becomes an `ErrorReply` for the caller, never a dead daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from shoal.protocol.codec import decode, encode
+from shoal.protocol.errors import MalformedMessage, MessageTooLarge, ProtocolError
+from shoal.protocol.limits import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from shoal.protocol.messages import ErrorReply
+from shoal.protocol.tensors import TensorAssembler, TensorHeader, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+FRAME_LENGTH_BYTES = 4
+MAX_FRAME_BYTES = max(MAX_MESSAGE_BYTES, CHUNK_BYTES)
+HANDLER_PREFIX = "shoal."
+
+
+class RemoteError(Exception):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(f"{code}: {message}")
+
+
+class FramedStream:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
+        self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
+
+    async def read_frame(self, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+        try:
+            header = await asyncio.wait_for(self.reader.readexactly(FRAME_LENGTH_BYTES), self.timeout_s)
+            length = int.from_bytes(header, "big")
+            if length > max_bytes:
+                raise MessageTooLarge(f"frame of {length} bytes, over the limit of {max_bytes}")
+            return await asyncio.wait_for(self.reader.readexactly(length), self.timeout_s)
+        except asyncio.IncompleteReadError as e:
+            raise MalformedMessage(f"stream ended inside a frame ({len(e.partial)} bytes read)") from None
+
+    async def write_frame(self, data: bytes | memoryview) -> None:
+        self.writer.write(len(data).to_bytes(FRAME_LENGTH_BYTES, "big"))
+        self.writer.write(data)
+        await asyncio.wait_for(self.writer.drain(), self.timeout_s)
+
+    async def read_message(self, expected: type | tuple[type, ...] | None = None) -> Any:
+        return decode(await self.read_frame(MAX_MESSAGE_BYTES), expected)
+
+    async def write_message(self, message: object) -> None:
+        await self.write_frame(encode(message))
+
+    async def write_tensor(self, tensor: Any, wire_dtype: str) -> int:
+        """Send a torch tensor as a header frame and raw chunk frames; returns the bytes sent."""
+        from shoal.protocol.torch_tensors import tensor_to_frames
+
+        header, chunks = tensor_to_frames(tensor, wire_dtype)
+        await self.write_message(header)
+        for chunk in chunks:
+            await self.write_frame(chunk)
+        return header.nbytes
+
+    async def read_tensor(self, spec: TensorSpec, compute_dtype: Any = None, max_bytes: int | None = None) -> Any:
+        """Receive one tensor, checked against `spec`, its declared size and finiteness."""
+        import torch
+
+        from shoal.protocol.torch_tensors import frames_to_tensor
+
+        assembler = TensorAssembler(spec) if max_bytes is None else TensorAssembler(spec, max_bytes=max_bytes)
+        header = await self.read_message(TensorHeader)
+        assembler.begin(header)
+        while not assembler.done:
+            assembler.add(await self.read_frame(CHUNK_BYTES))
+        payload = assembler.finish()
+        return frames_to_tensor(header.meta, payload, spec, compute_dtype=compute_dtype or torch.float32)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+Handler = Callable[[Any, FramedStream, PeerID], Awaitable[Any]]
+
+
+def rpc_methods(service: object) -> dict[str, tuple[Handler, type]]:
+    """The service's `rpc_*` methods and the request type each one's first argument declares."""
+    methods = {}
+    for name, method in inspect.getmembers(service, inspect.ismethod):
+        if name.startswith("rpc_"):
+            hints = typing.get_type_hints(method)
+            request_type = hints[next(iter(inspect.signature(method).parameters))]
+            methods[name] = (method, request_type)
+    return methods
+
+
+async def serve(p2p: P2P, service: object, timeout_s: float = 30.0) -> list[str]:
+    """Register every `rpc_*` method of `service` as a libp2p stream handler `shoal.<method>`."""
+    names = []
+    for name, (method, request_type) in rpc_methods(service).items():
+        handler_name = HANDLER_PREFIX + name
+        await p2p.add_binary_stream_handler(handler_name, _dispatcher(name, method, request_type, timeout_s))
+        names.append(handler_name)
+    return names
+
+
+async def unserve(p2p: P2P, names: list[str]) -> None:
+    for name in names:
+        try:
+            await p2p.remove_binary_stream_handler(name)
+        except Exception as e:  # the daemon may already be gone at shutdown
+            logger.debug("could not remove handler %s: %s", name, e)
+
+
+def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float):
+    async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = FramedStream(reader, writer, timeout_s)
+        peer = stream_info.peer_id
+        try:
+            request = await stream.read_message(request_type)
+            reply = await method(request, stream, peer)
+            if reply is not None:
+                await stream.write_message(reply)
+        except ProtocolError as e:
+            logger.warning("%s from %s refused: %s", name, peer, e)
+            await _try_reply(stream, ErrorReply.from_error(e))
+        except (TimeoutError, ConnectionError) as e:
+            logger.info("%s from %s: stream failed (%s)", name, peer, type(e).__name__)
+        except Exception as e:
+            logger.exception("%s from %s failed", name, peer)
+            await _try_reply(stream, ErrorReply(code="internal", message=f"{type(e).__name__}"[:200]))
+        finally:
+            stream.close()
+
+    return handle
+
+
+async def _try_reply(stream: FramedStream, reply: ErrorReply) -> None:
+    try:
+        await stream.write_message(reply)
+    except Exception as e:
+        logger.debug("could not send the error reply: %s", e)
+
+
+async def open_call(p2p: P2P, peer: PeerID | str, rpc_name: str, timeout_s: float) -> FramedStream:
+    peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(peer_id, HANDLER_PREFIX + rpc_name), timeout_s
+    )
+    return FramedStream(reader, writer, timeout_s)
+
+
+async def read_reply(stream: FramedStream, expected: type) -> Any:
+    """The peer's reply, or `RemoteError` if it answered with an ErrorReply."""
+    reply = await stream.read_message((expected, ErrorReply))
+    if isinstance(reply, ErrorReply):
+        raise RemoteError(reply.code, reply.message)
+    return reply
+
+
+async def call(p2p: P2P, peer: PeerID | str, rpc_name: str, request: object, expected: type,
+               timeout_s: float = 10.0) -> Any:
+    """A unary call: one request message, one reply message."""
+    stream = await open_call(p2p, peer, rpc_name, timeout_s)
+    try:
+        await stream.write_message(request)
+        return await read_reply(stream, expected)
+    finally:
+        stream.close()

@@ -1,0 +1,67 @@
+"""SwarmView: an immutable snapshot of the live peers of one run, as plain data.
+
+The daemon builds it from the DHT's node records (shoal.dht.view); every decision in planning/
+takes one and returns a decision, so the simulator can drive the same code with made-up views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+PeerID = str  # base58 libp2p peer id
+StageIndex = int
+
+ROLE_DATA = "data"
+ROLE_WORKER = "worker"
+STATE_JOINING = "joining"
+STATE_ACTIVE = "active"
+STATE_LEAVING = "leaving"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    peer_id: PeerID
+    role: str  # ROLE_DATA (stage 0) or ROLE_WORKER (a block stage)
+    stage: StageIndex
+    state: str
+    block_throughput: float  # microbatches x blocks per second of forward+backward
+    max_inflight: int  # microbatches it can keep activations for
+    maddrs: tuple[str, ...] = ()
+    inner_step: int = 0
+    outer_epoch: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    protocol_version: int = 1
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    expires_at: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.state != STATE_LEAVING
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    run_id: str
+    stages: int
+    blocks_per_stage: tuple[int, ...]  # index s: number of blocks of stage s (0 for stage 0)
+    nodes: tuple[NodeInfo, ...] = field(default_factory=tuple)
+    taken_at: float = 0.0
+
+    def live_nodes(self) -> tuple[NodeInfo, ...]:
+        return tuple(n for n in self.nodes if n.live)
+
+    def replicas(self, stage: StageIndex, exclude: PeerID | None = None) -> tuple[NodeInfo, ...]:
+        return tuple(n for n in self.live_nodes() if n.stage == stage and n.peer_id != exclude)
+
+    def stage_throughput(self, stage: StageIndex, exclude: PeerID | None = None) -> float:
+        """Microbatches per second the live replicas of a block stage can process together."""
+        blocks = max(1, self.blocks_per_stage[stage])
+        return sum(n.block_throughput for n in self.replicas(stage, exclude)) / blocks
+
+    def without(self, peer_ids: Iterable[PeerID]) -> SwarmView:
+        gone = set(peer_ids)
+        return SwarmView(self.run_id, self.stages, self.blocks_per_stage,
+                         tuple(n for n in self.nodes if n.peer_id not in gone), self.taken_at)

@@ -1,0 +1,48 @@
+"""The control messages every daemon speaks: liveness and errors.
+
+Pipeline messages (forward/backward headers) live with the daemon and register themselves the same
+way, with ``@message("tag")``; tensors themselves travel as ``TensorHeader`` plus raw chunks.
+"""
+
+from __future__ import annotations
+
+from .errors import ProtocolError, error_for_code
+from .limits import MAX_ERROR_CHARS
+from .registry import message
+from .schema import wire_field
+
+
+@message("ping")
+class Ping:
+    """Are you there? ``sent_at`` is the caller's clock, echoed back, so RTT needs no clock sync."""
+
+    sent_at: float
+    nonce: int
+
+
+@message("pong")
+class Pong:
+    """The answer to a Ping: the echoed ``sent_at``/``nonce`` plus what the caller needs to route to us."""
+
+    sent_at: float
+    nonce: int
+    peer_state: str = wire_field(max_len=32)
+    stage: int
+    protocol_version: int
+
+
+@message("error")
+class ErrorReply:
+    """What a handler sends back instead of a result: a stable ``code`` and one line of text."""
+
+    code: str = wire_field(max_len=64)
+    message: str = wire_field(max_len=MAX_ERROR_CHARS)
+
+    @classmethod
+    def from_error(cls, error: ProtocolError) -> ErrorReply:
+        """The reply for a refused request (the message is already one bounded line)."""
+        return cls(code=error.error_code, message=error.message)
+
+    def to_error(self) -> ProtocolError:
+        """The typed error the peer reported, for the caller to raise."""
+        return error_for_code(self.code, self.message)

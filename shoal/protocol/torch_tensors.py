@@ -1,0 +1,100 @@
+"""torch tensors to and from tensor frames: the one protocol module that imports torch.
+
+Kept apart (nothing in ``shoal.protocol`` imports it) so the protocol stays importable without
+torch. Sending casts to the wire dtype and ships the tensor's raw bytes; receiving rebuilds from
+bytes with ``torch.frombuffer``, refuses NaN/Inf, and casts to the compute dtype.
+
+    header, chunks = tensor_to_frames(activation, "bfloat16")          # (B, T, C)
+    ... send encode(header), then each chunk ...
+    payload = assemble(header, received_chunks, spec)
+    x = frames_to_tensor(header.meta, payload, spec)                    # float32 (B, T, C)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from .errors import BadTensor
+from .limits import CHUNK_BYTES, MAX_TENSOR_BYTES
+from .tensors import FLOAT_DTYPES, Buffer, TensorHeader, TensorMeta, TensorSpec, frame_payload
+
+# Frames carry little-endian bytes; torch.frombuffer reads native order, so refuse to pretend.
+if sys.byteorder != "little":
+    raise ImportError("shoal tensor frames are little-endian; big-endian hosts are not supported")
+
+TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "int64": torch.int64,
+        "int32": torch.int32,
+    }
+)
+
+
+def _torch_dtype(wire_dtype: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[wire_dtype]
+    except KeyError:
+        raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(TORCH_DTYPES)}") from None
+
+
+def tensor_to_frames(
+    t: torch.Tensor, wire_dtype: str, chunk_bytes: int = CHUNK_BYTES
+) -> tuple[TensorHeader, list[memoryview]]:
+    """The header and raw chunks that send ``t`` as ``wire_dtype``.
+
+    Casts on CPU and makes the tensor contiguous; when ``t`` already is a contiguous CPU tensor of the
+    wire dtype, the chunks are views of its memory: do not modify it in place until they are sent.
+    Refuses NaN/Inf (``BadTensor``): a peer would refuse them anyway, and a cast to float16 that
+    overflows is better caught here, where it happened. Float and integer tensors do not cross kinds.
+    """
+    target = _torch_dtype(wire_dtype)
+    if t.is_floating_point() != (wire_dtype in FLOAT_DTYPES) or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"will not send a {t.dtype} tensor as {wire_dtype}")
+    x = t.detach().to(device="cpu", dtype=target).contiguous()
+    if wire_dtype in FLOAT_DTYPES and not bool(torch.isfinite(x).all()):
+        raise BadTensor(f"tensor has NaN or Inf values as {wire_dtype}")
+    meta = TensorMeta(dtype=wire_dtype, shape=tuple(x.shape))
+    # A flat uint8 view gives the raw bytes for every dtype, bfloat16 included (numpy has no bf16).
+    raw = x.reshape(-1).view(torch.uint8).numpy()
+    return frame_payload(meta, memoryview(raw), chunk_bytes)
+
+
+def frames_to_tensor(
+    meta: TensorMeta,
+    payload: Buffer,
+    spec: TensorSpec,
+    compute_dtype: torch.dtype | None = torch.float32,
+    max_bytes: int = MAX_TENSOR_BYTES,
+) -> torch.Tensor:
+    """Rebuild a received tensor, checked against ``spec``, size and finiteness.
+
+    The result owns its memory (``payload`` can be reused or released). ``compute_dtype=None`` keeps
+    the wire dtype.
+    """
+    spec.check(meta)
+    if meta.nbytes > max_bytes:
+        raise BadTensor(f"{meta.describe()} is {meta.nbytes} bytes, over the limit of {max_bytes}")
+    view = memoryview(payload).cast("B")
+    if view.nbytes != meta.nbytes:
+        raise BadTensor(f"{meta.describe()} is {meta.nbytes} bytes, but the payload has {view.nbytes}")
+    wire = TORCH_DTYPES[meta.dtype]
+    if meta.numel == 0:
+        x, owned = torch.empty(meta.shape, dtype=wire), True
+    else:
+        # frombuffer shares memory and warns on read-only buffers: copy those once here, and
+        # clone writable ones below, so the tensor never aliases the caller's buffer.
+        owned = view.readonly
+        buffer = bytearray(view) if owned else view
+        x = torch.frombuffer(buffer, dtype=wire, count=meta.numel).view(meta.shape)
+    if meta.dtype in FLOAT_DTYPES and not bool(torch.isfinite(x).all()):
+        raise BadTensor(f"{meta.describe()} has NaN or Inf values")
+    if compute_dtype is not None and compute_dtype != wire:
+        return x.to(compute_dtype)
+    return x if owned else x.clone()

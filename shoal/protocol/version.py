@@ -1,0 +1,16 @@
+"""The wire protocol version, and the rule that says which peers can talk to each other.
+
+Only one number travels: the envelope's ``"v"`` is the major version. Decoders refuse unknown fields,
+so any change to an existing message (a field added, removed, retyped or re-bounded) breaks older
+peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: an older peer answers
+``UnknownMessageType`` for a tag it has never seen, which the sender can handle.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+
+
+def is_compatible(version: object) -> bool:
+    """Same major version = compatible. ``True`` is not the version 1 (bool is not int on the wire)."""
+    return type(version) is int and version == PROTOCOL_VERSION

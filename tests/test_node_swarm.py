@@ -1,0 +1,69 @@
+"""A real swarm: a bootstrap peer and nodes as processes on loopback, ended by pid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.processes import wait_until
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+TTL = "6"  # seconds: short so that a killed node expires within the test
+
+
+def _status_when(swarm, entry: str, count: int, what: str, *extra: str, timeout_s: float = 40) -> dict:
+    def check():
+        doc = swarm.status(entry, *extra)
+        return doc if len(doc["nodes"]) == count else None
+
+    return wait_until(check, timeout_s, what)
+
+
+def _stages(doc: dict) -> dict[int, int]:
+    return {s["stage"]: s["replicas"] for s in doc["stages"]}
+
+
+def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm):
+    bootstrap = swarm.start_bootstrap("--run-config", "shoal/runs/tiny.toml")
+    entry = bootstrap.maddrs[0]
+    nodes = [swarm.start_node([entry], "--record-ttl", TTL, wait=False) for _ in range(3)]
+    for node in nodes:
+        swarm.wait_ready(node)
+
+    doc = _status_when(swarm, entry, 3, "3 nodes in status")
+    assert doc["run"]["name"] == "tiny" and doc["run"]["stages"] == 3
+    assert {n["peer_id"] for n in doc["nodes"]} == {n.peer_id for n in nodes}
+    assert _stages(doc) == {0: 1, 1: 1, 2: 1}, doc["stages"]
+    assert all(n["state"] == "active" and n["throughput"] > 0 for n in doc["nodes"])
+
+    victim = next(n for n in nodes if n.stage != 0)
+    swarm.kill(victim)
+    killed_at = time.monotonic()
+    doc = _status_when(swarm, entry, 2, "the crash to show")
+    assert time.monotonic() - killed_at <= float(TTL) + 10  # gone within its TTL (+ one status round trip)
+    assert victim.peer_id not in {n["peer_id"] for n in doc["nodes"]}
+    assert _stages(doc)[victim.stage] == 0
+
+    newcomer = swarm.start_node([entry], "--record-ttl", TTL)
+    assert newcomer.stage == victim.stage
+    doc = _status_when(swarm, entry, 3, "the newcomer")
+    assert _stages(doc) == {0: 1, 1: 1, 2: 1}
+
+    started = time.monotonic()
+    assert swarm.stop(newcomer) == 0  # SIGTERM: announce leaving, drain, exit 0
+    assert time.monotonic() - started < 10
+
+
+def test_swarm_survives_its_bootstrap_peer(swarm):
+    bootstrap = swarm.start_bootstrap("--run-config", "shoal/runs/tiny.toml")
+    first = swarm.start_node([bootstrap.maddrs[0]], "--record-ttl", TTL)
+    second = swarm.start_node([bootstrap.maddrs[0]], "--record-ttl", TTL)
+    swarm.kill(bootstrap)
+
+    # A newcomer that never saw the bootstrap peer joins through a surviving node.
+    third = swarm.start_node([first.maddrs[0]], "--record-ttl", TTL, "--run", "tiny")
+    doc = _status_when(swarm, second.maddrs[0], 3, "three nodes after the bootstrap died", "--run", "tiny")
+    assert {n["peer_id"] for n in doc["nodes"]} == {first.peer_id, second.peer_id, third.peer_id}
+    assert _stages(doc) == {0: 1, 1: 1, 2: 1}
