@@ -31,17 +31,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
+    parser.add_argument("--microbatch-timeout", type=float, default=60.0,
+                        help="seconds before a data node abandons a microbatch that has not come back")
+    parser.add_argument("--data-shard", default="0/1", metavar="K/N", help="this data node's shard of the data")
     parser.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line here once active")
+    parser.add_argument("--progress-file", default=None, metavar="PATH",
+                        help="data nodes append a JSON line per training step here")
+    parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    from shoal.config import ConfigError
+
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ConfigError("--data-shard", f"expected K/N, got {text!r}") from None
+    return k, n
 
 
 def node_config(args: argparse.Namespace):
     from shoal.node.config import NodeConfig
 
+    shard, shards = _shard(args.data_shard)
+
     return NodeConfig(
         initial_peers=tuple(args.initial_peers), identity=args.identity, host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs), run_name=args.run, run_config_path=args.run_config,
         data_path=args.data, role=args.role, threads=args.threads, max_inflight=args.max_inflight,
-        record_ttl_s=args.record_ttl, ready_file=args.ready_file,
+        record_ttl_s=args.record_ttl, microbatch_timeout_s=args.microbatch_timeout, data_shard=shard,
+        data_shards=shards, ready_file=args.ready_file, progress_file=args.progress_file, stats_file=args.stats_file,
     )
 
 

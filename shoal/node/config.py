@@ -24,7 +24,12 @@ class NodeConfig:
     record_ttl_s: float = 30.0
     rpc_timeout_s: float = 30.0
     drain_timeout_s: float = 5.0
+    microbatch_timeout_s: float = 60.0  # a data node abandons a microbatch that has not come back by then
+    data_shard: int = 0  # this data node's shard of the training windows, of `data_shards`
+    data_shards: int = 1
     ready_file: str | None = None
+    progress_file: str | None = None  # data nodes append one JSON line per step here
+    stats_file: str | None = None  # written at shutdown: counters, traffic, memory
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -35,6 +40,10 @@ class NodeConfig:
             raise ConfigError("--max-inflight", "must be at least 1")
         if not 3.0 <= self.record_ttl_s <= 3600.0:
             raise ConfigError("--record-ttl", "must be between 3 and 3600 seconds")
+        if not 0 <= self.data_shard < self.data_shards:
+            raise ConfigError("--data-shard", f"must be K/N with 0 <= K < N, got {self.data_shard}/{self.data_shards}")
+        if self.microbatch_timeout_s <= 0:
+            raise ConfigError("--microbatch-timeout", "must be positive")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
 

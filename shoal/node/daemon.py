@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -24,8 +25,11 @@ from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
+from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
+from shoal.node.pipeline_service import PipelineService
 from shoal.node.transport import serve, unserve
+from shoal.node.worker import StageWorker
 from shoal.planning.assignment import Candidate, choose_stage
 from shoal.planning.swarm_view import (
     ROLE_DATA,
@@ -41,6 +45,17 @@ logger = logging.getLogger(__name__)
 
 RUN_LOOKUP_ATTEMPTS = 5
 SETTLE_ROUNDS = 3
+MEMORY_SAMPLE_S = 2.0
+MAX_MEMORY_SAMPLES = 4000
+
+
+def resident_bytes() -> int:
+    """Current resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
@@ -83,6 +98,8 @@ class Node:
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.view: SwarmView | None = None
+        self.engine: StageWorker | DataDriver | None = None
+        self.memory_samples: list[tuple[float, int]] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._handlers: list[str] = []
@@ -110,6 +127,10 @@ class Node:
         return self.dht.peer_id
 
     @property
+    def short_id(self) -> str:
+        return self.peer_id[-8:]
+
+    @property
     def role(self) -> str:
         return ROLE_DATA if self.stage == 0 else ROLE_WORKER
 
@@ -132,19 +153,20 @@ class Node:
     async def publish(self) -> bool:
         stored = await self.dht.publish_node(self.record(), self.config.record_ttl_s)
         if not stored:
-            logger.warning("[%s] node record was not stored by any peer", self.peer_id[-8:])
+            logger.warning("[%s] node record was not stored by any peer", self.short_id)
         return stored
 
     def _set_stage(self, stage: int) -> None:
         if stage != self.stage:
-            logger.info("[%s] takes stage %d", self.peer_id[-8:], stage)
+            logger.info("[%s] takes stage %d", self.short_id, stage)
         self.stage = stage
         blocks = len(stage_layers(self.run.model.n_layers, self.run.pipeline.stages, stage))
         self.max_inflight = self.config.max_inflight or capacity.inflight_budget(self.run, max(1, blocks))
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
-        self._handlers = await serve(self.dht.p2p, HealthService(self), self.config.rpc_timeout_s)
+        for service in (HealthService(self), PipelineService(self)):
+            self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s)
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
         self.view = await self.dht.read_view(self.run)
         self._set_stage(choose_stage(self.view, self.candidate()))
@@ -156,11 +178,39 @@ class Node:
             if chosen == self.stage:
                 break
             self._set_stage(chosen)
+        await self._build_engine()
         self.state = STATE_ACTIVE
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
+        self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
+        if isinstance(self.engine, DataDriver):
+            self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
         self._write_ready_file()
-        logger.info("[%s] active: %s on stage %d", self.peer_id[-8:], self.role, self.stage)
+        logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
+
+    async def _build_engine(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.stage == 0:
+            driver = DataDriver(self, self.config.data_shard, self.config.data_shards, self.config.progress_file)
+            await driver.prepare()
+            self.engine = driver
+        else:
+            self.engine = StageWorker(self, self.stage)
+
+    async def _train(self, driver: DataDriver) -> None:
+        try:
+            await driver.train()
+            logger.info("[%s] training done: %s", self.short_id, driver.summary)
+        except Exception:
+            logger.exception("[%s] training failed", self.short_id)
+            raise
+
+    async def _sample_memory(self) -> None:
+        while not self._stop.is_set():
+            self.memory_samples.append((time.monotonic(), resident_bytes()))
+            del self.memory_samples[:-MAX_MEMORY_SAMPLES]
+            await asyncio.sleep(MEMORY_SAMPLE_S)
 
     def _write_ready_file(self) -> None:
         if not self.config.ready_file:
@@ -180,16 +230,23 @@ class Node:
                 pass
             try:
                 self.view = await self.dht.read_view(self.run)
+                if isinstance(self.engine, StageWorker):
+                    self.engine.expire()
                 chosen = choose_stage(self.view, self.candidate())
                 if chosen != self.stage and self.can_move():
                     self._set_stage(chosen)
+                    await self._build_engine()
                 await self.publish()
             except Exception:
-                logger.exception("[%s] heartbeat failed", self.peer_id[-8:])
+                logger.exception("[%s] heartbeat failed", self.short_id)
 
     def can_move(self) -> bool:
-        """Whether this node may change stage now (no in-flight work tied to the current one)."""
-        return True
+        """Whether this node may change stage now: only before it holds trained state or in-flight
+        work (a trained stage moves by copying a live replica, which joining nodes do, not by rebuild)."""
+        engine = self.engine
+        if engine is None:
+            return True
+        return self.inner_step == 0 and not engine.busy and isinstance(engine, StageWorker) and engine.forwards == 0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -199,6 +256,27 @@ class Node:
 
     async def drain(self, deadline: float) -> None:
         """Wait for in-flight work to finish, until `deadline` (monotonic seconds)."""
+        while self.engine is not None and self.engine.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def stats(self) -> dict:
+        engine = self.engine
+        samples = self.memory_samples
+        return {
+            "peer_id": self.peer_id, "role": self.role, "stage": self.stage, "inner_step": self.inner_step,
+            "loss": self.loss, "block_throughput": self.block_throughput, "max_inflight": self.max_inflight,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
+            "traffic": vars(engine.traffic) if engine else {}, "engine": engine.stats() if engine else {},
+        }
+
+    def _write_stats_file(self) -> None:
+        if not self.config.stats_file:
+            return
+        path = Path(self.config.stats_file)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.stats(), indent=1))
+        os.replace(tmp, path)
 
     async def shutdown(self) -> None:
         started = time.monotonic()
@@ -207,11 +285,17 @@ class Node:
         try:
             await asyncio.wait_for(self.publish(), self.config.drain_timeout_s)
         except Exception as e:
-            logger.info("[%s] could not announce leaving: %s", self.peer_id[-8:], e)
+            logger.info("[%s] could not announce leaving: %s", self.short_id, e)
         await self.drain(started + self.config.drain_timeout_s)
+        try:
+            self._write_stats_file()
+        except Exception:
+            logger.exception("[%s] could not write the stats file", self.short_id)
+        if self.engine is not None:
+            await self.engine.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await unserve(self.dht.p2p, self._handlers)
         await self.dht.shutdown()
-        logger.info("[%s] left after %.1f s", self.peer_id[-8:], time.monotonic() - started)
+        logger.info("[%s] left after %.1f s", self.short_id, time.monotonic() - started)

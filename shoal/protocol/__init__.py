@@ -31,6 +31,7 @@ from .limits import (
     MAX_TENSOR_RANK,
 )
 from .messages import ErrorReply, Ping, Pong
+from .pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop
 from .registry import message, registered_messages, tag_of
 from .schema import wire_field
 from .tensors import (
@@ -48,11 +49,16 @@ from .tensors import (
 from .version import PROTOCOL_VERSION, is_compatible
 
 __all__ = [
+    "AbandonNotice",
+    "Ack",
+    "BackwardRequest",
     "BadTensor",
     "CHUNK_BYTES",
     "DTYPE_SIZES",
     "ErrorReply",
     "FLOAT_DTYPES",
+    "ForwardRequest",
+    "Hop",
     "MAX_MESSAGE_BYTES",
     "MAX_SEQUENCE_LEN",
     "MAX_STR_LEN",

@@ -1,0 +1,54 @@
+"""The fate of every microbatch a data node injects: completed, or abandoned with a reason.
+
+No work is lost silently: `injected == completed + abandoned + in_flight` always, and a data node
+reports these counts (and the reasons) when it finishes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MicrobatchLedger:
+    injected: int = 0
+    completed: int = 0
+    abandoned: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    _open: set[str] = field(default_factory=set)
+
+    def inject(self, microbatch_id: str) -> None:
+        if microbatch_id in self._open:
+            raise ValueError(f"microbatch {microbatch_id} injected twice")
+        self._open.add(microbatch_id)
+        self.injected += 1
+
+    def is_open(self, microbatch_id: str) -> bool:
+        return microbatch_id in self._open
+
+    def complete(self, microbatch_id: str) -> bool:
+        """Mark done; False if it had already ended (a late duplicate), which changes nothing."""
+        if microbatch_id not in self._open:
+            return False
+        self._open.remove(microbatch_id)
+        self.completed += 1
+        return True
+
+    def abandon(self, microbatch_id: str, reason: str) -> bool:
+        if microbatch_id not in self._open:
+            return False
+        self._open.remove(microbatch_id)
+        self.abandoned += 1
+        self.reasons[reason] += 1
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    def summary(self) -> dict:
+        assert self.injected == self.completed + self.abandoned + self.in_flight, "ledger out of balance"
+        return {"microbatches_injected": self.injected, "microbatches_completed": self.completed,
+                "microbatches_abandoned": self.abandoned, "abandoned_reasons": dict(self.reasons),
+                "microbatches_in_flight": self.in_flight}
