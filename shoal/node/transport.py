@@ -135,6 +135,7 @@ def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float
         except ProtocolError as e:
             logger.warning("%s from %s refused: %s", name, peer, e)
             await _try_reply(stream, ErrorReply.from_error(e))
+            await _discard_unread(stream)
         except (TimeoutError, ConnectionError) as e:
             logger.info("%s from %s: stream failed (%s)", name, peer, type(e).__name__)
         except Exception as e:
@@ -151,6 +152,21 @@ async def _try_reply(stream: FramedStream, reply: ErrorReply) -> None:
         await stream.write_message(reply)
     except Exception as e:
         logger.debug("could not send the error reply: %s", e)
+
+
+async def _discard_unread(stream: FramedStream, max_bytes: int = 2 * CHUNK_BYTES, timeout_s: float = 1.0) -> None:
+    """Read away (a bounded amount of) what the peer is still sending, so that closing the stream
+    does not reset it before our error reply reaches the peer."""
+    loop = asyncio.get_running_loop()
+    deadline, discarded = loop.time() + timeout_s, 0
+    try:
+        while discarded < max_bytes and (remaining := deadline - loop.time()) > 0:
+            data = await asyncio.wait_for(stream.reader.read(65536), remaining)
+            if not data:
+                return
+            discarded += len(data)
+    except (TimeoutError, ConnectionError):
+        pass
 
 
 async def open_call(p2p: P2P, peer: PeerID | str, rpc_name: str, timeout_s: float) -> FramedStream:

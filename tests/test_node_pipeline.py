@@ -1,0 +1,130 @@
+"""Pipeline training across real daemons: step-for-step parity with the single-process trainer,
+and stage workers that refuse bad tensors and keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from shoal.config import load_run_config
+from shoal.dht.identity import load_identity
+from shoal.dht.swarm import SwarmDHT
+from shoal.model.data import load_token_splits
+from shoal.node.transport import RemoteError, open_call, read_reply
+from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
+from shoal.protocol.tensors import TensorHeader, TensorMeta
+from shoal.train.reference import ReferenceTrainer
+from tests.helpers.processes import wait_until
+from tests.helpers.tiny import sample_text, tiny_run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+def _progress(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(path) -> dict | None:
+    return next((e for e in _progress(path) if e["event"] == "done"), None)
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(sample_text(30000))
+    path = tmp_path / "run.toml"
+    path.write_text(tiny_run(**{"data.path": str(corpus), "train.steps": 8}).to_toml())
+    return path
+
+
+def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path):
+    run = load_run_config(str(run_file))
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    workers = [swarm.start_node([entry], "--role", "worker", wait=False) for _ in range(run.pipeline.stages - 1)]
+    for worker in workers:
+        swarm.wait_ready(worker)
+    assert sorted(w.stage for w in workers) == list(range(1, run.pipeline.stages))
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: _done(progress), 240, "the data node to finish training")
+
+    reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()
+    swarm_losses = [e["loss"] for e in _progress(progress) if e["event"] == "step"]
+    local_losses = [r.loss for r in reference.history]
+    assert len(swarm_losses) == len(local_losses) == run.train.steps
+    # float32 on the wire: only the order of float operations differs (hop-by-hop graphs, threads)
+    assert swarm_losses == pytest.approx(local_losses, rel=2e-4, abs=2e-4)
+    assert done["val_loss"] == pytest.approx(reference.val_loss, rel=2e-4)
+    assert done["microbatches_completed"] + done["microbatches_abandoned"] == done["microbatches_injected"]
+    assert done["microbatches_abandoned"] == 0
+    assert swarm_losses[-1] < swarm_losses[0]
+
+
+def _bad_cases(run) -> dict[str, tuple[TensorHeader, list[bytes]]]:
+    b, t, d = run.train.microbatch_size, run.train.seq_len, run.model.d_model
+    good = torch.zeros(b, t, d)
+    nan = good.clone()
+    nan[0, 0, 0] = float("nan")
+
+    def frames(x: torch.Tensor, dtype: str = "float32") -> tuple[TensorHeader, list[bytes]]:
+        raw = x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        meta = TensorMeta(dtype=dtype, shape=tuple(x.shape))
+        chunk = 2 * 1024 * 1024
+        pieces = [raw[i : i + chunk] for i in range(0, len(raw), chunk)]
+        return TensorHeader(meta=meta, nbytes=len(raw), num_chunks=len(pieces)), pieces
+
+    wrong_dtype = frames(good.to(torch.float16).view(torch.int16).to(torch.int32), "int32")
+    oversized_shape = (b, run.model.max_seq_len * 64, d)
+    oversized = (TensorHeader(meta=TensorMeta("float32", oversized_shape), num_chunks=64,
+                              nbytes=b * run.model.max_seq_len * 64 * d * 4), [b"\0" * 16])
+    return {
+        "nan": frames(nan),
+        "wrong dtype": wrong_dtype,
+        "wrong shape": frames(torch.zeros(b, t, d + 1)),
+        "oversized": oversized,
+        "too long": frames(torch.zeros(b, run.model.max_seq_len + 1, d)),
+    }
+
+
+def test_stage_worker_refuses_bad_tensors_and_keeps_serving(swarm, run_file):
+    run = load_run_config(str(run_file))
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    worker = swarm.start_node([entry], "--role", "worker")
+
+    async def send(header: TensorHeader, chunks: list[bytes], backward: bool = False) -> str:
+        client = await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
+        try:
+            route = (Hop(stage=worker.stage, peer_id=worker.peer_id),)
+            fields = dict(microbatch_id="probe", origin=client.peer_id, step=0, route=route)
+            request = BackwardRequest(hop=0, **fields) if backward else ForwardRequest(hop=0, **fields)
+            stream = await open_call(client.p2p, worker.peer_id, "rpc_backward" if backward else "rpc_forward", 10)
+            try:
+                await stream.write_message(request)
+                await stream.write_message(header)
+                for chunk in chunks:
+                    await stream.write_frame(chunk)
+                ack = await read_reply(stream, Ack)
+                return "accepted" if ack.accepted else f"declined: {ack.reason}"
+            except RemoteError as e:
+                return e.code
+            finally:
+                stream.close()
+        finally:
+            await client.shutdown()
+
+    for name, (header, chunks) in _bad_cases(run).items():
+        assert asyncio.run(send(header, chunks)) == "bad_tensor", name
+    # a well-formed activation is still taken (then fails onward: the probe is no data node)
+    b, t, d = run.train.microbatch_size, run.train.seq_len, run.model.d_model
+    raw = torch.randn(b, t, d).numpy().tobytes()
+    header = TensorHeader(meta=TensorMeta("float32", (b, t, d)), nbytes=len(raw), num_chunks=1)
+    assert asyncio.run(send(header, [raw])) == "accepted"
+    # a gradient for a microbatch the worker never saw is declined, not crashed on
+    assert asyncio.run(send(header, [raw], backward=True)).startswith("declined")
+    assert worker.process.poll() is None
+    assert "Traceback" not in worker.log()
