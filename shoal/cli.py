@@ -16,9 +16,11 @@ from shoal.errors import UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shoal.train.command", "train the whole model in one process (the reference trainer)"),
+    "sim": ("shoal.sim.command", "simulate a swarm's scheduling in virtual time"),
     "bootstrap": ("shoal.bootstrap.command", "host a bootstrap peer and print its addresses"),
     "node": ("shoal.node.command", "join a swarm and work"),
     "status": ("shoal.node.status", "show the swarm at a glance"),
+    "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),
 }
 
 

@@ -232,6 +232,8 @@ class Node:
                 self.view = await self.dht.read_view(self.run)
                 if isinstance(self.engine, StageWorker):
                     self.engine.expire()
+                elif isinstance(self.engine, DataDriver):
+                    self.engine.reap_lost({n.peer_id for n in self.view.live_nodes()})
                 chosen = choose_stage(self.view, self.candidate())
                 if chosen != self.stage and self.can_move():
                     self._set_stage(chosen)

@@ -20,7 +20,7 @@ from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.stages import build_stage
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
-from shoal.node.transport import FramedStream
+from shoal.node.transport import FramedStream, call
 from shoal.planning.routing import choose_route, full_pipeline
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, check_hop
 from shoal.protocol.tensors import TensorSpec
@@ -131,8 +131,9 @@ class DataDriver(PipelineEngine):
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         stats = await self.compute(self.optimizer.step)
         self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
+        tokens_per_microbatch = inputs.numel() // n_micro
         return StepResult(step=step, loss=sum(losses) / len(losses) if losses else None, completed=len(losses),
-                          abandoned=n_micro - len(losses), tokens=len(losses) * int(inputs[0].numel()),
+                          abandoned=n_micro - len(losses), tokens=len(losses) * tokens_per_microbatch,
                           seconds=time.monotonic() - started, extra={"lr": stats.lr})
 
     @torch.no_grad()
@@ -179,6 +180,18 @@ class DataDriver(PipelineEngine):
         ended = self.ledger.complete(microbatch_id) if reason is None else self.ledger.abandon(microbatch_id, reason)
         if ended and entry is not None and not entry.done.done():
             entry.done.set_result(reason)
+        if ended and reason is not None and entry is not None:
+            self.spawn(self._release_route(microbatch_id, entry.route_peers, reason), f"release {microbatch_id}")
+
+    async def _release_route(self, microbatch_id: str, peers: tuple[str, ...], reason: str) -> None:
+        """Tell the hops of an abandoned microbatch to drop what they keep for it (their next
+        optimizer step waits for such graphs), instead of holding it until it expires."""
+        notice = AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200])
+        for peer in set(peers) - self.banned():
+            try:
+                await call(self.node.dht.p2p, peer, "rpc_abandon", notice, Ack, timeout_s=5.0)
+            except Exception as e:
+                logger.debug("[%s] could not release %s on %s: %s", self.node.short_id, microbatch_id, peer[-8:], e)
 
     # ---- RPC handlers: an activation coming home, a gradient reaching the embedding ------------
 
@@ -192,6 +205,7 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
             return Ack(accepted=False, reason=f"activation shape {tuple(x.shape)} does not match the microbatch")
+        entry.route_peers = tuple(hop.peer_id for hop in request.route)  # as delivered, after any re-routing
         self.spawn(self._loss_and_backward(request, entry, x), f"loss {request.microbatch_id}")
         return Ack(accepted=True)
 
@@ -235,9 +249,26 @@ class DataDriver(PipelineEngine):
         await self.compute(entry.embedded.backward, grad)
         self._finish(microbatch_id, None)
 
-    async def on_abandon(self, notice: AbandonNotice) -> Ack:
-        if not self.ledger.is_open(notice.microbatch_id):
+    def reap_lost(self, live_peers: set[str]) -> int:
+        """Abandon in-flight microbatches routed through a peer that left the swarm (its record
+        expired or says `leaving`): their activations are gone with it, so waiting is pointless."""
+        lost = [(mb, next(p for p in entry.route_peers if p not in live_peers))
+                for mb, entry in self.in_flight.items() if not set(entry.route_peers) <= live_peers]
+        for microbatch_id, peer in lost:
+            self._finish(microbatch_id, f"peer {peer[-8:]} left the swarm")
+        return len(lost)
+
+    def _holds_block_stage(self, peer_id: str) -> bool:
+        """A live stage worker of this run (a hop may have been re-routed to it on the way)."""
+        view = self.node.view
+        return view is not None and any(n.peer_id == peer_id and n.stage > 0 for n in view.live_nodes())
+
+    async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
+        entry = self.in_flight.get(notice.microbatch_id)
+        if entry is None or not self.ledger.is_open(notice.microbatch_id):
             return Ack(accepted=False, reason="unknown microbatch")
+        if sender not in entry.route_peers and not self._holds_block_stage(sender):
+            return Ack(accepted=False, reason="only a hop of that microbatch may abandon it")
         self._finish(notice.microbatch_id, notice.reason)
         return Ack(accepted=True)
 

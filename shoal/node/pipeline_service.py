@@ -32,5 +32,5 @@ class PipelineService:
     async def rpc_abandon(self, notice: AbandonNotice, stream: FramedStream, peer: PeerID) -> Ack:
         on_abandon = getattr(self.node.engine, "on_abandon", None)
         if on_abandon is None:
-            return Ack(accepted=False, reason="not a data node")
-        return await on_abandon(notice)
+            return Ack(accepted=False, reason="not ready")
+        return await on_abandon(notice, peer.to_base58())

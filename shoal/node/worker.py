@@ -29,6 +29,7 @@ class Saved:
     x: torch.Tensor  # the input, requiring grad
     y: torch.Tensor  # the output, with its graph
     expires_at: float
+    origin: str  # the data node that owns the microbatch (the only peer that may release it)
 
 
 class StageWorker(PipelineEngine):
@@ -40,6 +41,7 @@ class StageWorker(PipelineEngine):
         self.optimizer = InnerOptimizer(self.module, run.optim, run.train.steps)
         self.saved: dict[str, Saved] = {}
         self.reserved = 0  # forwards accepted but not yet saved
+        self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
         self.accumulated = 0
         self.forwards = 0
         self.backwards = 0
@@ -75,14 +77,16 @@ class StageWorker(PipelineEngine):
                 return x, self.module(x)
         x = x.requires_grad_(True)
         with torch.enable_grad():
-            return x, self.module(x)
+            y = self.module(x)
+        self.live_graphs += 1
+        return x, y
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
         try:
             x, y = await self.compute(self._run_forward, x, request.needs_backward)
             if request.needs_backward:
                 expires_at = time.monotonic() + self.node.config.microbatch_timeout_s
-                self.saved[request.microbatch_id] = Saved(x, y, expires_at)
+                self.saved[request.microbatch_id] = Saved(x, y, expires_at, request.origin)
         finally:
             self.reserved -= 1
         self.forwards += 1
@@ -91,7 +95,7 @@ class StageWorker(PipelineEngine):
         try:
             await push_forward(self, onward, y.detach())
         except HopFailed as e:
-            self.saved.pop(request.microbatch_id, None)
+            self._drop(request.microbatch_id)
             await self.notify_abandon(request.origin, request.microbatch_id, f"forward after stage {self.stage}: {e}")
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
@@ -109,14 +113,22 @@ class StageWorker(PipelineEngine):
 
     def _run_backward(self, saved: Saved, grad: torch.Tensor) -> torch.Tensor:
         saved.y.backward(grad)
+        self.live_graphs -= 1
         self.accumulated += 1
-        if self.accumulated >= self.run.microbatches_per_step:
+        self._maybe_step()
+        assert saved.x.grad is not None, "backward produced no input gradient"
+        return saved.x.grad
+
+    def _maybe_step(self) -> None:
+        """Step once a batch of gradient has accumulated and no saved graph is waiting for its
+        gradient: AdamW updates weights in place, which would corrupt the graphs of microbatches
+        already forwarded with the old weights. (With one data node per step barrier this is the end
+        of every step; with several unsynchronised data nodes a step can wait and take a larger batch.)"""
+        if self.accumulated >= self.run.microbatches_per_step and self.live_graphs == 0:
             stats = self.optimizer.step()
             self.accumulated = 0
             self.node.inner_step = self.optimizer.step_count
             self.node.grad_norm = stats.grad_norm
-        assert saved.x.grad is not None, "backward produced no input gradient"
-        return saved.x.grad
 
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
         grad_in = await self.compute(self._run_backward, saved, grad)
@@ -140,14 +152,29 @@ class StageWorker(PipelineEngine):
         except Exception as e:
             logger.info("[%s] could not tell %s: %s", self.node.short_id, origin[-8:], e)
 
+    async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
+        """The data node gave this microbatch up: drop its saved activations now."""
+        saved = self.saved.get(notice.microbatch_id)
+        if saved is None or saved.origin != sender:
+            return Ack(accepted=False, reason="nothing kept for that microbatch from that data node")
+        self._drop(notice.microbatch_id)
+        return Ack(accepted=True)
+
     def expire(self) -> int:
         """Drop saved activations whose gradient never came (its microbatch was abandoned downstream)."""
         now = time.monotonic()
         stale = [mb for mb, s in self.saved.items() if s.expires_at < now]
         for mb in stale:
-            del self.saved[mb]
+            self._drop(mb)
         self.expired += len(stale)
         return len(stale)
+
+    def _drop(self, microbatch_id: str) -> None:
+        """Forget a microbatch whose gradient will never come; a pending step may then proceed."""
+        if self.saved.pop(microbatch_id, None) is not None:
+            self.live_graphs -= 1
+            if self.accumulated >= self.run.microbatches_per_step:
+                self.spawn(self.compute(self._maybe_step), "deferred step")
 
     def stats(self) -> dict:
         return {"forwards": self.forwards, "backwards": self.backwards, "inner_steps": self.optimizer.step_count,

@@ -1,0 +1,156 @@
+"""`shoal demo`: the whole thing on one machine — a bootstrap peer, a data node and stage workers as
+real processes on loopback, training the bundled model with live progress and a report.
+
+    shoal demo                          # 1 data node + 2 workers per block stage, the `tiny` run
+    shoal demo --crash-at-step 60       # SIGKILL one worker mid-run: the swarm routes around it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shoal.errors import UsageError
+from shoal.train.command import add_run_arguments, resolve_run
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser)
+    parser.add_argument("--workers-per-stage", type=int, default=2, help="stage workers per block stage")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
+    parser.add_argument("--crash-at-step", type=int, default=None, metavar="STEP",
+                        help="SIGKILL one stage worker (of a stage with a spare replica) at this step")
+    parser.add_argument("--record-ttl", type=float, default=6.0, help="node record lifetime (s)")
+    parser.add_argument("--report", default="demo-report", metavar="DIR", help="write report.json and loss.png here")
+    parser.add_argument("--workdir", default=None, help="keep node logs here (default: a temporary folder)")
+    parser.add_argument("--quiet", action="store_true", help="no live progress")
+
+
+def _read_progress(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line still being written
+    return events
+
+
+def _render(run, events: list[dict], alive: int, total: int, started: float, note: str):
+    from rich.table import Table
+
+    steps = [e for e in events if e["event"] == "step"]
+    last = steps[-1] if steps else {}
+    table = Table(title=f"shoal demo: run {run.name}@{run.run_id}", show_header=False, min_width=60)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("step", f"{len(steps)}/{run.train.steps}")
+    table.add_row("loss", f"{last['loss']:.3f}" if last.get("loss") is not None else "-")
+    table.add_row("tokens/s", f"{last.get('tokens_per_s', 0):,.0f}")
+    table.add_row("microbatches", f"{last.get('microbatches_completed', 0)} done, "
+                  f"{last.get('microbatches_abandoned', 0)} abandoned, {last.get('in_flight', 0)} in flight")
+    table.add_row("nodes alive", f"{alive}/{total}")
+    table.add_row("elapsed", f"{time.monotonic() - started:.0f} s")
+    if note:
+        table.add_row("event", note)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    run_config = resolve_run(args)
+    if args.workers_per_stage < 1:
+        raise UsageError("--workers-per-stage must be at least 1")
+    from rich.console import Console
+    from rich.live import Live
+
+    from shoal.demo.launcher import LocalSwarm
+    from shoal.demo.report import build_report
+    from shoal.model.corpus import default_corpus_path
+    from shoal.model.data import load_token_splits
+
+    if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
+        run_config = run_config.replace({"data.path": str(default_corpus_path())})
+    console = Console(stderr=True)
+    console.print(f"preparing data: {run_config.data.path}")
+    load_token_splits(run_config.data, run_config.model.vocab_size)  # trains + caches the tokenizer once
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="shoal-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_file = workdir / "run.toml"
+    run_file.write_text(run_config.to_toml())
+    progress = workdir / "progress.jsonl"
+    swarm = LocalSwarm(workdir)
+    node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30"]
+    crash: dict = {}
+    started = time.monotonic()
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+        console.print(f"bootstrap peer: {entry}")
+        workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(workdir / f"stats-w{i}.json"),
+                                    *node_args, wait=False, name=f"worker{i}")
+                   for i in range(args.workers_per_stage * (run_config.pipeline.stages - 1))]
+        for worker in workers:
+            swarm.wait_ready(worker)
+        data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
+                                "--stats-file", str(workdir / "stats-data.json"), *node_args, name="data")
+        console.print(f"{len(workers)} stage workers and 1 data node active after {time.monotonic() - started:.0f} s")
+        note = ""
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while True:
+                events = _read_progress(progress)
+                done = next((e for e in events if e["event"] == "done"), None)
+                steps = sum(e["event"] == "step" for e in events)
+                if args.crash_at_step is not None and not crash and steps >= args.crash_at_step:
+                    crash = _crash_one_worker(swarm, workers, entry, steps)
+                    note = f"step {steps}: SIGKILL worker {crash.get('peer_id', '?')[-8:]} (stage {crash.get('stage')})"
+                alive = sum(p.alive for p in swarm.peers)
+                if not args.quiet:
+                    live.update(_render(run_config, events, alive, len(swarm.peers), started, note))
+                if done:
+                    break
+                if not data.alive:
+                    raise UsageError(f"the data node exited ({data.process.returncode}); see {data.log_path}")
+                time.sleep(0.5)
+        wall_s = time.monotonic() - started
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping every process")
+        swarm.close()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        swarm.close()
+    report_path = build_report(Path(args.report), run_config, _read_progress(progress), swarm, workdir, crash, wall_s)
+    summary = json.loads(report_path.read_text())
+    console.print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "
+                  f"microbatches {summary['microbatches_injected']} injected = {summary['microbatches_completed']} "
+                  f"completed + {summary['microbatches_abandoned']} abandoned; {wall_s:.0f} s; logs in {workdir}")
+    print(report_path)
+    return 0
+
+
+def _crash_one_worker(swarm, workers, entry: str, step: int) -> dict:
+    """SIGKILL the replica the data node most likely routes through (the fastest one advertised)
+    of a stage that has a spare, so the crash hits live traffic rather than an idle peer."""
+    alive = {w.peer_id: w for w in workers if w.alive}
+    try:
+        nodes = [n for n in swarm.status(entry)["nodes"] if n["peer_id"] in alive]
+    except Exception as e:
+        return {"step": step, "skipped": f"could not read the swarm: {e}"}
+    by_stage: dict[int, list[dict]] = {}
+    for node in nodes:
+        by_stage.setdefault(node["stage"], []).append(node)
+    spare = [replicas for _, replicas in sorted(by_stage.items()) if len(replicas) > 1]
+    if not spare:
+        print("no stage has a spare replica: not crashing anyone", file=sys.stderr)
+        return {"step": step, "skipped": "no stage with a spare replica"}
+    target = max(spare[0], key=lambda n: n["throughput"])
+    swarm.kill(alive[target["peer_id"]])
+    return {"step": step, "peer_id": target["peer_id"], "stage": target["stage"], "signal": "SIGKILL"}

@@ -1,0 +1,143 @@
+"""Start shoal peers as real processes on loopback (port 0) and end them by pid.
+
+Used by `shoal demo`, the tests and the benchmarks. Readiness is a line on stdout (bootstrap) or
+a ready file (node), never a fixed sleep; every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Peer:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    ready_file: Path | None = None
+    maddrs: list[str] = field(default_factory=list)
+    peer_id: str = ""
+    stage: int | None = None
+    role: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def shoal_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shoal.cli", *args]
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class LocalSwarm:
+    """Owns every process it starts; `close()` ends them all by pid (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, workdir: Path, log_level: str = "INFO"):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_level = log_level
+        self.peers: list[Peer] = []
+
+    def _spawn(self, args: list[str], name: str, stdout: int | IO = subprocess.DEVNULL) -> Peer:
+        log_path = self.workdir / f"{len(self.peers):02d}-{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(shoal_command("--log-level", self.log_level, *args), stdout=stdout,
+                                       stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
+        peer = Peer(name, process, log_path)
+        self.peers.append(peer)
+        return peer
+
+    def start_bootstrap(self, *extra: str) -> Peer:
+        peer = self._spawn(["bootstrap", "--host-maddrs", LOOPBACK, *extra], "bootstrap", stdout=subprocess.PIPE)
+        assert peer.process.stdout is not None
+        line = peer.process.stdout.readline().strip()  # the first multiaddress, once it listens
+        if not line.startswith("/"):
+            raise RuntimeError(f"bootstrap peer did not start: {line!r}\n{peer.log()[-2000:]}")
+        peer.maddrs, peer.role = [line], "bootstrap"
+        return peer
+
+    def start_node(self, initial_peers: list[str], *extra: str, wait: bool = True, name: str = "node") -> Peer:
+        index = len(self.peers)
+        ready = self.workdir / f"ready-{index:02d}.json"
+        peer = self._spawn(["node", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK,
+                            "--ready-file", str(ready), *extra], name)
+        peer.ready_file = ready
+        if wait:
+            self.wait_ready(peer)
+        return peer
+
+    def wait_ready(self, peer: Peer, timeout_s: float = START_TIMEOUT_S) -> Peer:
+        assert peer.ready_file is not None
+
+        def ready() -> bool:
+            if not peer.alive:
+                raise RuntimeError(f"{peer.name} exited with {peer.process.returncode}:\n{peer.log()[-3000:]}")
+            return peer.ready_file.exists()
+
+        wait_until(ready, timeout_s, f"{peer.name} to become active")
+        info = json.loads(peer.ready_file.read_text())
+        peer.maddrs, peer.peer_id, peer.stage, peer.role = info["maddrs"], info["peer_id"], info["stage"], info["role"]
+        return peer
+
+    def status(self, initial_peer: str, *extra: str, timeout_s: float = 60.0) -> dict:
+        result = subprocess.run(shoal_command("status", "--initial-peers", initial_peer, "--json", *extra),
+                                capture_output=True, text=True, timeout=timeout_s)
+        if result.returncode != 0:
+            raise RuntimeError(f"shoal status failed: {result.stderr}")
+        return json.loads(result.stdout)
+
+    def kill(self, peer: Peer, sig: int = signal.SIGKILL) -> None:
+        if peer.alive:
+            os.kill(peer.pid, sig)
+
+    def stop(self, peer: Peer, timeout_s: float = 15.0) -> int:
+        """SIGTERM and wait; returns the exit status (SIGKILL after `timeout_s`)."""
+        self.kill(peer, signal.SIGTERM)
+        try:
+            return peer.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(peer)
+            return peer.process.wait(timeout=10)
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """End every process: SIGTERM all at once, wait, then SIGKILL what is left."""
+        for peer in self.peers:
+            self.kill(peer, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for peer in self.peers:
+            try:
+                peer.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(peer)
+                peer.process.wait(timeout=10)
+            if peer.process.stdout is not None:
+                peer.process.stdout.close()
