@@ -1,0 +1,82 @@
+"""Churn decisions: who redoes a lost hop, and which stage a joining node should take.
+
+Both follow GWTF: a lost hop goes to the live replica of the same stage that is cheapest between
+the hop's neighbours by GWTF's hop cost (only that hop is redone, from the activation the upstream
+neighbour kept), and a joining node takes the stage where re-planned routes gain the most
+estimated throughput. Static schedules (DT-FM, SkipPipe) use the same replacement rule when a
+planned node dies mid-iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+
+from shoal.planning.costs import CostModel
+from shoal.planning.gwtf import greedy_throughput, hop_cost
+from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
+
+
+def replacement_node(
+    view: Swarm,
+    cost: CostModel,
+    stage: StageIndex,
+    prev: PlanNode,
+    nxt: PlanNode,
+    exclude: Collection[NodeId] = (),
+    load: Mapping[NodeId, int] | None = None,
+) -> PlanNode | None:
+    """The live replica of `stage` to redo a hop between `prev` and `nxt`, or None if none is left.
+
+    Nodes with spare memory (by `load`, the microbatches each is known to hold) come first; among
+    them the lowest d(prev, j) + d(j, nxt), plus one compute time per microbatch already held.
+    """
+    load = load or {}
+    best: tuple[tuple[bool, float, NodeId], PlanNode] | None = None
+    for node in view.by_stage[stage]:
+        if node.node_id in exclude:
+            continue
+        held = load.get(node.node_id, 0)
+        score = hop_cost(view, cost, prev, node) + hop_cost(view, cost, node, nxt) + held * cost.compute_s(node)
+        key = (held >= node.memory, score, node.node_id)
+        if best is None or key < best[0]:
+            best = (key, node)
+    return None if best is None else best[1]
+
+
+def place_joining_node(view: Swarm, cost: CostModel, newcomer: PlanNode) -> StageIndex:
+    """The block stage where `newcomer` raises the greedy routes' estimated throughput the most.
+
+    The newcomer's `forward_s` is taken as its time for any one block stage (block stages hold the
+    same number of layers). Ties go to the lowest stage.
+    """
+    if view.stages < 2:
+        raise ValueError("a swarm without block stages has nowhere to place a node")
+    best: tuple[float, int] | None = None
+    for stage in range(1, view.stages):
+        trial = view.with_nodes(view.nodes + (replace(newcomer, stage=stage),))
+        gain = greedy_throughput(trial, cost)
+        if best is None or gain > best[0] * (1 + 1e-9):
+            best = (gain, stage)
+    assert best is not None
+    return best[1]
+
+
+def detour_if_full(
+    view: Swarm,
+    cost: CostModel,
+    stage: StageIndex,
+    prev: PlanNode,
+    planned: PlanNode,
+    nxt: PlanNode,
+    load: Mapping[NodeId, int],
+) -> PlanNode:
+    """Keep a flow within capacity: if the planned next hop holds all it can, the cheapest replica of
+    the same stage with room takes this microbatch instead (the sender knows its neighbours' load
+    from their adverts); if none has room, the planned hop it is, and the microbatch waits there."""
+    if load.get(planned.node_id, 0) < planned.memory:
+        return planned
+    other = replacement_node(view, cost, stage, prev, nxt, exclude=(planned.node_id,), load=load)
+    if other is None or load.get(other.node_id, 0) >= other.memory:
+        return planned
+    return other

@@ -1,0 +1,204 @@
+"""The five scheduling policies as the simulator sees them: thin adapters over `shoal.planning`.
+
+Every decision here is one call into `planning/`; an adapter only keeps the state a real node would
+keep between calls (its routes, its balancer) and times the planner with a wall clock, which is
+how `scheduler_wall_s` is measured.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Collection, Mapping
+
+from shoal.planning.allocation import allocate_stages
+from shoal.planning.costs import CostModel
+from shoal.planning.dtfm import plan_dtfm
+from shoal.planning.gwtf import FlowPlan, pick_route, plan_flows
+from shoal.planning.plan import IterationPlan
+from shoal.planning.random_skip import plan_random_skip
+from shoal.planning.recovery import detour_if_full, place_joining_node, replacement_node
+from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
+from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
+from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
+
+POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf")
+ALLOCATION_LIMIT = 200  # nodes; DT-FM's local search is quadratic per move, so larger swarms keep their stages
+
+
+class Policy:
+    """Defaults shared by the route-following policies; the SWARM adapter overrides hop choice."""
+
+    name = "policy"
+    hop_by_hop = False  # True: the next hop is chosen when a microbatch leaves a node
+    detours = False  # True: a planned next hop that is full may be swapped for a replica with room
+    restart_on_backward_loss = False  # True: a hop lost in backward restarts the microbatch
+
+    def __init__(self, cost: CostModel, rng: random.Random) -> None:
+        self.cost, self.rng = cost, rng
+        self.wall_s = 0.0
+        self.wall_by_call: dict[str, float] = {}  # planner wall time per planning function
+        self.plan: IterationPlan | None = None
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent = time.perf_counter() - start
+            self.wall_s += spent
+            name = getattr(fn, "__name__", "planner")
+            self.wall_by_call[name] = self.wall_by_call.get(name, 0.0) + spent
+
+    def start(self, view: Swarm, microbatches: int) -> Swarm:
+        """Plan before the first injection; returns the swarm with the stages the plan assumes."""
+        return view
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        """Route for a microbatch a data node injects now (continuous policies); None: not now."""
+        return None
+
+    def finished(self, origin: NodeId, route: tuple[NodeId, ...]) -> None:
+        """A microbatch injected on `route` completed or was abandoned (frees its slot)."""
+
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+        raise NotImplementedError(f"{self.name} follows planned routes")
+
+    def observe(self, sender: NodeId, receiver: NodeId, stage: StageIndex, seconds: float) -> None:
+        """How long a forward request from sender to receiver took (only SWARM listens)."""
+
+    def replace(
+        self,
+        view: Swarm,
+        stage: StageIndex,
+        prev: PlanNode,
+        nxt: PlanNode,
+        exclude: Collection[NodeId],
+        load: Mapping[NodeId, int],
+    ) -> NodeId | None:
+        node = self._timed(replacement_node, view, self.cost, stage, prev, nxt, exclude, load)
+        return None if node is None else node.node_id
+
+    def view_changed(self, view: Swarm) -> None:
+        """The set of live nodes changed (a crash detected, a leave announced, a join ready)."""
+
+    def detour(self, view: Swarm, stage: StageIndex, prev: PlanNode, planned: PlanNode, nxt: PlanNode, load) -> NodeId:
+        return self._timed(detour_if_full, view, self.cost, stage, prev, planned, nxt, load).node_id
+
+    def place(self, view: Swarm, newcomer: PlanNode) -> StageIndex:
+        return self._timed(place_joining_node, view, self.cost, newcomer)
+
+
+class StaticPolicy(Policy):
+    """DT-FM, random skipping and SkipPipe: one plan for the whole iteration, made up front."""
+
+    def __init__(
+        self, name: str, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool
+    ) -> None:
+        super().__init__(cost, rng)
+        self.name, self.options, self.allocate = name, options, allocate
+
+    def start(self, view: Swarm, microbatches: int) -> Swarm:
+        if self.allocate:
+            sizes = [len(group) for group in view.by_stage]
+            allocation = self._timed(allocate_stages, view, self.cost, sizes, self.rng)
+            view = view.with_stages(allocation.stage_of)
+        if self.name == "dtfm":
+            self.plan = self._timed(plan_dtfm, view, self.cost, microbatches)
+        elif self.name == "random-skip":
+            self.plan = self._timed(plan_random_skip, view, microbatches, self.options.skip, self.rng)
+        else:
+            self.plan = self._timed(plan_skippipe, view, self.cost, microbatches, self.options, self.rng)
+        return view
+
+
+class GwtfPolicy(Policy):
+    """GWTF: each data node injects along its planned routes, spreading microbatches over them."""
+
+    name = "gwtf"
+    detours = True
+
+    def __init__(self, cost: CostModel, rng: random.Random, anneal_steps: int = 2000) -> None:
+        super().__init__(cost, rng)
+        self.anneal_steps = anneal_steps
+        self.flows = FlowPlan((), ())
+        self.in_use: Counter[tuple[NodeId, tuple[NodeId, ...]]] = Counter()
+
+    def start(self, view: Swarm, microbatches: int) -> Swarm:
+        self.flows = self._timed(plan_flows, view, self.cost, self.rng, self.anneal_steps)
+        return view
+
+    def view_changed(self, view: Swarm) -> None:
+        # re-plan from the surviving routes: only routes through a lost node change
+        self.flows = self._timed(plan_flows, view, self.cost, self.rng, self.anneal_steps // 20, self.flows.routes)
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        route = self._timed(pick_route, self.flows, origin, self.in_use)
+        if route is None:
+            return None
+        self.in_use[(origin, route.hops)] += 1
+        return route.hops
+
+    def finished(self, origin: NodeId, route: tuple[NodeId, ...]) -> None:
+        key = (origin, route)
+        if self.in_use[key] > 0:
+            self.in_use[key] -= 1
+
+
+class SwarmPolicy(Policy):
+    """SWARM: hop-by-hop choice by each sender's balancer; a backward loss restarts the microbatch."""
+
+    name = "swarm"
+    hop_by_hop = True
+    restart_on_backward_loss = True
+
+    def __init__(self, cost: CostModel, rng: random.Random) -> None:
+        super().__init__(cost, rng)
+        self.balancers: dict[tuple[NodeId, StageIndex], SwarmBalancer] = {}
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        return ()
+
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+        candidates = [n.node_id for n in view.by_stage[stage]]
+        if not candidates:
+            return None
+        balancer = self.balancers.setdefault((sender, stage), SwarmBalancer())
+        return self._timed(balancer.choose, candidates, self.rng)
+
+    def observe(self, sender: NodeId, receiver: NodeId, stage: StageIndex, seconds: float) -> None:
+        balancer = self.balancers.get((sender, stage))
+        if balancer is not None:
+            balancer.observe(receiver, seconds)
+
+    def replace(self, view, stage, prev, nxt, exclude, load) -> NodeId | None:
+        """A failed forward is re-sent to whichever replica the sender's balancer picks next."""
+        candidates = [n.node_id for n in view.by_stage[stage] if n.node_id not in exclude]
+        if not candidates:
+            return None
+        balancer = self.balancers.setdefault((prev.node_id, stage), SwarmBalancer())
+        for gone in exclude:
+            balancer.forget(gone)
+        return self._timed(balancer.choose, candidates, self.rng)
+
+    def place(self, view: Swarm, newcomer: PlanNode) -> StageIndex:
+        return self._timed(swarm_join_stage, view, self.cost, newcomer)
+
+
+def make_policy(
+    name: str,
+    cost: CostModel,
+    rng: random.Random,
+    options: SkipPipeOptions | None = None,
+    allocate: bool = True,
+) -> Policy:
+    options = options or SkipPipeOptions()
+    if name in ("dtfm", "random-skip", "skippipe"):
+        label = name if name != "skippipe" or options.collision_aware else "skippipe-nocollision"
+        return StaticPolicy(label, cost, rng, options, allocate)
+    if name == "gwtf":
+        return GwtfPolicy(cost, rng)
+    if name == "swarm":
+        return SwarmPolicy(cost, rng)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
