@@ -33,7 +33,7 @@ corpus:
 	fi
 
 demo: $(VENV)/.installed corpus
-	$(BIN)/shoal train --local --report demo-report
+	$(BIN)/shoal demo --report demo-report
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check shoal tests benchmarks

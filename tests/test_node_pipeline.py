@@ -18,7 +18,7 @@ from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.processes import wait_until
-from tests.helpers.tiny import sample_text, tiny_run
+from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -35,11 +35,7 @@ def _done(path) -> dict | None:
 
 @pytest.fixture
 def run_file(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(sample_text(30000))
-    path = tmp_path / "run.toml"
-    path.write_text(tiny_run(**{"data.path": str(corpus), "train.steps": 8}).to_toml())
-    return path
+    return write_tiny_run(tmp_path, **{"train.steps": 8})
 
 
 def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path):

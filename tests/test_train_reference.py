@@ -9,7 +9,7 @@ import pytest
 from shoal.model.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from shoal.train.schedule import learning_rate
-from tests.helpers.tiny import sample_text, tiny_run
+from tests.helpers.tiny import sample_text, tiny_run, write_tiny_run
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -36,10 +36,7 @@ def test_reference_trainer_learns_and_is_reproducible(tmp_path):
 
 @pytest.mark.slow
 def test_cli_writes_report_and_plot(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text(sample_text(30000))
-    config = tmp_path / "run.toml"
-    config.write_text(tiny_run(**{"data.path": str(path)}).to_toml())
+    config = write_tiny_run(tmp_path)
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(config), "--steps", "30",

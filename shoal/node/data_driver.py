@@ -18,6 +18,7 @@ import torch
 
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.stages import build_stage
+from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
@@ -37,6 +38,7 @@ class InFlight:
     done: asyncio.Future
     loss: float | None = None
     route_peers: tuple[str, ...] = ()
+    injected_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -155,7 +157,7 @@ class DataDriver(PipelineEngine):
             if route is None:
                 self.ledger.abandon(microbatch_id, "no live replica for some stage")
                 return None
-            embedded = await self.compute(self._embed if train else self._embed_eval, tokens)
+            embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
             done = asyncio.get_running_loop().create_future()
             entry = InFlight(embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
             self.in_flight[microbatch_id] = entry
@@ -206,6 +208,7 @@ class DataDriver(PipelineEngine):
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
             return Ack(accepted=False, reason=f"activation shape {tuple(x.shape)} does not match the microbatch")
         entry.route_peers = tuple(hop.peer_id for hop in request.route)  # as delivered, after any re-routing
+        logger.debug("%s home after %.1f ms", request.microbatch_id, 1e3 * (time.monotonic() - entry.injected_at))
         self.spawn(self._loss_and_backward(request, entry, x), f"loss {request.microbatch_id}")
         return Ack(accepted=True)
 
@@ -220,7 +223,7 @@ class DataDriver(PipelineEngine):
         return float(loss.detach()), x.grad
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
-        entry.loss, grad = await self.compute(self._loss_and_grad, entry, x, request.needs_backward)
+        entry.loss, grad = await self.compute(self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD)
         if grad is None:
             self._finish(request.microbatch_id, None)
             return
@@ -246,7 +249,8 @@ class DataDriver(PipelineEngine):
         return Ack(accepted=True)
 
     async def _embedding_backward(self, microbatch_id: str, entry: InFlight, grad: torch.Tensor) -> None:
-        await self.compute(entry.embedded.backward, grad)
+        await self.compute(entry.embedded.backward, grad, priority=BACKWARD)
+        logger.debug("%s done after %.1f ms", microbatch_id, 1e3 * (time.monotonic() - entry.injected_at))
         self._finish(microbatch_id, None)
 
     def reap_lost(self, live_peers: set[str]) -> int:

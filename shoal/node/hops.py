@@ -10,12 +10,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
@@ -48,7 +48,7 @@ class PipelineEngine:
         self.node = node
         self.run = node.run
         self.wire_dtype = self.run.pipeline.wire_dtype
-        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.compute_thread = ComputeThread(f"compute-{node.short_id}")
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -56,8 +56,8 @@ class PipelineEngine:
         self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model))
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
+    async def compute(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
+        return await self.compute_thread.run(priority, fn, *args)
 
     def spawn(self, coro: Awaitable[Any], name: str) -> None:
         """Run work in the background, kept so shutdown can cancel it."""
@@ -120,7 +120,7 @@ class PipelineEngine:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.compute_pool.shutdown(wait=True, cancel_futures=True)
+        self.compute_thread.shutdown()
 
 
 async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: torch.Tensor,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.model.stages import build_stage
+from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.transport import FramedStream, call
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, check_hop
@@ -83,7 +84,7 @@ class StageWorker(PipelineEngine):
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
         try:
-            x, y = await self.compute(self._run_forward, x, request.needs_backward)
+            x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if request.needs_backward:
                 expires_at = time.monotonic() + self.node.config.microbatch_timeout_s
                 self.saved[request.microbatch_id] = Saved(x, y, expires_at, request.origin)
@@ -131,7 +132,7 @@ class StageWorker(PipelineEngine):
             self.node.grad_norm = stats.grad_norm
 
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
-        grad_in = await self.compute(self._run_backward, saved, grad)
+        grad_in = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
         self.backwards += 1
         upstream = BackwardRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
                                    hop=request.hop - 1, route=request.route)

@@ -37,3 +37,15 @@ def tiny_run(**overrides) -> RunConfig:
     }
     run = run_config_from_dict(data)
     return run.replace(overrides) if overrides else run
+
+
+def write_tiny_run(directory, **overrides):
+    """A hermetic run on disk: a corpus file and a run TOML pointing at it; returns the TOML's path."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    corpus = directory / "corpus.txt"
+    corpus.write_text(sample_text(30000))
+    path = directory / "run.toml"
+    path.write_text(tiny_run(**{"data.path": str(corpus), **overrides}).to_toml())
+    return path

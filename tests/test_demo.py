@@ -1,0 +1,35 @@
+"""`shoal demo` end to end: a real multi-process swarm trains and reports, every microbatch accounted for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.tiny import write_tiny_run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_path):
+    run_file = write_tiny_run(tmp_path)
+    report_dir = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "demo", "--run-config", str(run_file), "--steps", "24",
+         "--workers-per-stage", "2", "--crash-at-step", "8", "--report", str(report_dir), "--quiet",
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=540,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((report_dir / "report.json").read_text())
+    assert (report_dir / "loss.png").stat().st_size > 1000
+    assert report["steps"] == 24
+    assert report["final_loss"] < 0.8 * report["initial_loss"]
+    assert report["microbatches_completed"] + report["microbatches_abandoned"] == report["microbatches_injected"]
+    assert sum(report["abandoned_reasons"].values()) == report["microbatches_abandoned"]
+    assert report["crash"]["signal"] == "SIGKILL"
+    states = [n["state"] for n in report["nodes"]]
+    assert states.count("crashed") == 1 and states.count("stopped") == len(states) - 1
+    assert all(n["exit_code"] == 0 for n in report["nodes"] if n["state"] == "stopped")

@@ -1,0 +1,64 @@
+"""Unit tests of the daemon's plain parts: the microbatch ledger, the compute thread, routing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from shoal.node.compute import BACKGROUND, BACKWARD, FORWARD, ComputeThread
+from shoal.node.ledger import MicrobatchLedger
+from shoal.planning.routing import choose_route, full_pipeline, pick_replica
+from shoal.planning.swarm_view import NodeInfo, SwarmView
+
+
+def test_ledger_accounts_for_every_microbatch():
+    ledger = MicrobatchLedger()
+    for i in range(5):
+        ledger.inject(f"m{i}")
+    assert ledger.complete("m0") and ledger.complete("m1")
+    assert ledger.abandon("m2", "timed out") and ledger.abandon("m3", "timed out")
+    assert not ledger.complete("m2")  # a late arrival for an abandoned microbatch changes nothing
+    assert not ledger.abandon("m0", "late")  # nor does a late abandon of a completed one
+    summary = ledger.summary()
+    assert summary["microbatches_injected"] == 5
+    assert summary["microbatches_completed"] == 2 and summary["microbatches_abandoned"] == 2
+    assert summary["microbatches_in_flight"] == 1 and summary["abandoned_reasons"] == {"timed out": 2}
+    with pytest.raises(ValueError):
+        ledger.inject("m4")
+
+
+def test_compute_thread_runs_backward_before_queued_forwards_and_reports_errors():
+    async def scenario():
+        thread = ComputeThread()
+        gate, order = threading.Event(), []
+        blocker = thread.run(BACKGROUND, gate.wait)  # holds the thread while we queue work
+        jobs = [thread.run(FORWARD, order.append, "f1"), thread.run(BACKGROUND, order.append, "step"),
+                thread.run(BACKWARD, order.append, "b1"), thread.run(FORWARD, order.append, "f2"),
+                thread.run(BACKWARD, order.append, "b2")]
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        failing = thread.run(FORWARD, lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            await failing
+        assert await thread.run(FORWARD, lambda: 42) == 42  # still working after an error
+        thread.shutdown()
+        return order
+
+    assert asyncio.run(scenario()) == ["b1", "b2", "f1", "f2", "step"]
+
+
+def _node(peer: str, stage: int, throughput: float, state: str = "active") -> NodeInfo:
+    return NodeInfo(peer_id=peer, role="worker", stage=stage, state=state, block_throughput=throughput, max_inflight=8)
+
+
+def test_routes_take_one_live_replica_per_stage_in_proportion_to_speed():
+    view = SwarmView("run", 3, (0, 2, 2), (_node("fast", 1, 30.0), _node("slow", 1, 10.0), _node("b", 2, 5.0),
+                                           _node("gone", 2, 99.0, state="leaving")))
+    assert choose_route(view, full_pipeline(view), {}) == ((1, "fast"), (2, "b"))
+    # load spreads in proportion to throughput: 3 on the fast replica cost what 1 costs on the slow one
+    assert pick_replica(view, 1, {"fast": 2}).peer_id == "fast"
+    assert pick_replica(view, 1, {"fast": 3}).peer_id == "slow"
+    assert pick_replica(view, 1, {}, exclude={"fast"}).peer_id == "slow"
+    assert choose_route(view, full_pipeline(view), {}, exclude={"b"}) is None
