@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-        console.print(f"bootstrap peer: {entry}")
+        console.print(f"bootstrap peer: {entry}", soft_wrap=True)
         workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(workdir / f"stats-w{i}.json"),
                                     *node_args, wait=False, name=f"worker{i}")
                    for i in range(args.workers_per_stage * (run_config.pipeline.stages - 1))]
