@@ -44,6 +44,15 @@ def _torch_dtype(wire_dtype: str) -> torch.dtype:
         raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(TORCH_DTYPES)}") from None
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in `x`. One min/max pass (NaN propagates through both) is ~10x cheaper than
+    materialising `isfinite(x)` and reducing it, which cost 1 ms per MiB on the hot path of every hop."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def tensor_to_frames(
     t: torch.Tensor, wire_dtype: str, chunk_bytes: int = CHUNK_BYTES
 ) -> tuple[TensorHeader, list[memoryview]]:
@@ -58,7 +67,7 @@ def tensor_to_frames(
     if t.is_floating_point() != (wire_dtype in FLOAT_DTYPES) or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"will not send a {t.dtype} tensor as {wire_dtype}")
     x = t.detach().to(device="cpu", dtype=target).contiguous()
-    if wire_dtype in FLOAT_DTYPES and not bool(torch.isfinite(x).all()):
+    if wire_dtype in FLOAT_DTYPES and not all_finite(x):
         raise BadTensor(f"tensor has NaN or Inf values as {wire_dtype}")
     meta = TensorMeta(dtype=wire_dtype, shape=tuple(x.shape))
     # A flat uint8 view gives the raw bytes for every dtype, bfloat16 included (numpy has no bf16).
@@ -93,7 +102,7 @@ def frames_to_tensor(
         owned = view.readonly
         buffer = bytearray(view) if owned else view
         x = torch.frombuffer(buffer, dtype=wire, count=meta.numel).view(meta.shape)
-    if meta.dtype in FLOAT_DTYPES and not bool(torch.isfinite(x).all()):
+    if meta.dtype in FLOAT_DTYPES and not all_finite(x):
         raise BadTensor(f"{meta.describe()} has NaN or Inf values")
     if compute_dtype is not None and compute_dtype != wire:
         return x.to(compute_dtype)
