@@ -41,7 +41,7 @@ def test_chained_stages_equal_unsplit_model_forward_and_gradients(stages):
 
     head, blocks = build_all_stages(CFG, stages, seed=7)
     loss = hop_by_hop_step(head, blocks, tokens, targets)
-    assert loss == pytest.approx(float(ref_loss), abs=1e-6)
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-6)
 
     ref_blocks = dict(reference.blocks.named_parameters())
     for stage in blocks:
