@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
 
+from shoal.demo.launcher import shoal_command
 from tests.helpers.processes import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -67,3 +69,11 @@ def test_swarm_survives_its_bootstrap_peer(swarm):
     doc = _status_when(swarm, second.maddrs[0], 3, "three nodes after the bootstrap died", "--run", "tiny")
     assert {n["peer_id"] for n in doc["nodes"]} == {first.peer_id, second.peer_id, third.peer_id}
     assert _stages(doc) == {0: 1, 1: 1, 2: 1}
+
+
+def test_unreachable_initial_peers_are_one_clear_line():
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/QmdXVs4L4mshd12VtyNZ4EzZkmTj1x4aBPkZr6pVCxEd2K"
+    result = subprocess.run(shoal_command("node", "--initial-peers", dead), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"shoal node: error: none of the --initial-peers answered ({dead})"]

@@ -56,6 +56,8 @@ class SwarmDHT:
                 startup_timeout=startup_timeout_s,
             )
         except Exception as e:
+            if initial_peers and "bootstrap" in str(e):
+                raise UsageError(f"none of the --initial-peers answered ({', '.join(initial_peers)})") from e
             raise UsageError(f"could not start the libp2p daemon: {e}") from e
         try:
             node = await DHTNode.create(
