@@ -84,12 +84,18 @@ class DataDriver(PipelineEngine):
             with open(self.progress_path, "a") as f:
                 f.write(json.dumps(event) + "\n")
 
-    async def wait_for_pipeline(self, poll_s: float = 0.5) -> None:
-        """Until every block stage has a live replica."""
+    async def wait_for_pipeline(self, poll_s: float = 0.5, report_s: float = 10.0) -> None:
+        """Until every block stage has a live replica; says which are missing while it waits."""
+        started = last_report = time.monotonic()
         while True:
             view = self.node.view
             if view is not None and choose_route(view, full_pipeline(view), {}) is not None:
                 return
+            if view is not None and time.monotonic() - last_report >= report_s:
+                missing = [s for s in full_pipeline(view) if not view.replicas(s)]
+                logger.warning("[%s] waiting %.0f s for a replica of stage(s) %s before training",
+                               self.node.short_id, time.monotonic() - started, missing)
+                last_report = time.monotonic()
             await asyncio.sleep(poll_s)
             self.node.view = await self.node.dht.read_view(self.run)
 
