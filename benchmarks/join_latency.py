@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.helpers.processes import Swarm  # noqa: E402
+from shoal.demo.launcher import LocalSwarm
 
 
 def main() -> None:
@@ -28,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     samples, ready_samples = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        swarm = Swarm(Path(tmp))
+        swarm = LocalSwarm(Path(tmp), log_level="WARNING")
         try:
             entry = swarm.start_bootstrap("--run-config", "shoal/runs/tiny.toml").maddrs[0]
             for _ in range(args.repeats):

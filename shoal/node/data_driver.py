@@ -45,8 +45,6 @@ class InFlight:
 class StepResult:
     step: int
     loss: float | None
-    completed: int
-    abandoned: int
     tokens: int
     seconds: float
     extra: dict = field(default_factory=dict)
@@ -140,8 +138,8 @@ class DataDriver(PipelineEngine):
         stats = await self.compute(self.optimizer.step)
         self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
         tokens_per_microbatch = inputs.numel() // n_micro
-        return StepResult(step=step, loss=sum(losses) / len(losses) if losses else None, completed=len(losses),
-                          abandoned=n_micro - len(losses), tokens=len(losses) * tokens_per_microbatch,
+        return StepResult(step=step, loss=sum(losses) / len(losses) if losses else None,
+                          tokens=len(losses) * tokens_per_microbatch,
                           seconds=time.monotonic() - started, extra={"lr": stats.lr})
 
     @torch.no_grad()

@@ -17,7 +17,9 @@ import torch
 
 from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
-from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest
+from shoal.planning.routing import pick_replica
+from shoal.protocol.errors import BadTensor
+from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:
@@ -79,8 +81,6 @@ class PipelineEngine:
         self.banned_until[peer_id] = time.monotonic() + FAILED_PEER_BAN_S
 
     def check_activation(self, x: torch.Tensor) -> None:
-        from shoal.protocol.errors import BadTensor
-
         batch, seq = x.shape[0], x.shape[1]
         if not (1 <= batch <= self.run.train.microbatch_size and 1 <= seq <= self.run.model.max_seq_len):
             raise BadTensor(f"activation shape {tuple(x.shape)} outside this run's microbatch "
@@ -129,9 +129,6 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
     the same stage if its peer fails (the sender still holds the tensor, so only this hop is redone).
     Returns the request as delivered (its route may have changed); raises HopFailed if nobody took it.
     """
-    from shoal.planning.routing import pick_replica
-    from shoal.protocol.pipeline import Hop
-
     failures = []
     for _ in range(attempts):
         home = request.hop == len(request.route)

@@ -1,6 +1,6 @@
 """The control messages every daemon speaks: liveness and errors.
 
-Pipeline messages (forward/backward headers) live with the daemon and register themselves the same
+Pipeline messages (forward/backward headers) live in ``pipeline.py`` and register themselves the same
 way, with ``@message("tag")``; tensors themselves travel as ``TensorHeader`` plus raw chunks.
 """
 
