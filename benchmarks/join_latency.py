@@ -40,10 +40,13 @@ def main() -> None:
             swarm.close()
     result = {
         "what": "seconds from `shoal node` process start to its record listed by `shoal status`",
-        "median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
-        "samples_s": samples, "ready_file_median_s": statistics.median(ready_samples),
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "samples_s": samples,
+        "ready_file_median_s": statistics.median(ready_samples),
         "note": "includes Python + torch import, p2pd start, capacity measurement, 1-3 settle rounds; "
-                "the status call itself (a client DHT join, ~2-3 s) is included",
+        "the status call itself (a client DHT join, ~2-3 s) is included",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

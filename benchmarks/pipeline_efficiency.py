@@ -38,13 +38,30 @@ RESULTS = ROOT / "benchmarks" / "results" / "pipeline_efficiency.json"
 HOP_BYTES = 1 << 20
 HOP_REPEATS = 60
 
+
 def local_run(run_file: Path, steps: int, threads: int, workdir: Path) -> dict:
     out = workdir / f"local-{threads}-{time.monotonic_ns()}"
-    subprocess.run(shoal_command("train", "--local", "--run-config", str(run_file), "--steps", str(steps),
-                                 "--threads", str(threads), "--report", str(out), "--quiet"),
-                   check=True, capture_output=True, timeout=1200)
+    subprocess.run(
+        shoal_command(
+            "train",
+            "--local",
+            "--run-config",
+            str(run_file),
+            "--steps",
+            str(steps),
+            "--threads",
+            str(threads),
+            "--report",
+            str(out),
+            "--quiet",
+        ),
+        check=True,
+        capture_output=True,
+        timeout=1200,
+    )
     report = json.loads((out / "report.json").read_text())
     return {"tokens_per_s": report["tokens_per_s"], "final_loss": report["final_loss"], "threads": threads}
+
 
 def swarm_run(run_file: Path, steps: int, workdir: Path) -> dict:
     run = load_run_config(str(run_file))
@@ -53,12 +70,24 @@ def swarm_run(run_file: Path, steps: int, workdir: Path) -> dict:
     progress = work / "progress.jsonl"
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-        workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(work / f"w{i}.json"),
-                                    wait=False, name=f"worker{i}") for i in range(run.pipeline.stages - 1)]
+        workers = [
+            swarm.start_node(
+                [entry], "--role", "worker", "--stats-file", str(work / f"w{i}.json"), wait=False, name=f"worker{i}"
+            )
+            for i in range(run.pipeline.stages - 1)
+        ]
         for worker in workers:
             swarm.wait_ready(worker)
-        swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
-                         "--stats-file", str(work / "data.json"), name="data")
+        swarm.start_node(
+            [entry],
+            "--role",
+            "data",
+            "--progress-file",
+            str(progress),
+            "--stats-file",
+            str(work / "data.json"),
+            name="data",
+        )
 
         def finished() -> dict | None:
             lines = progress.read_text().splitlines() if progress.exists() else []
@@ -67,27 +96,39 @@ def swarm_run(run_file: Path, steps: int, workdir: Path) -> dict:
         done = wait_until(finished, 60 + steps * 10.0, "the swarm to finish", interval_s=0.5)
     finally:
         swarm.close()
-    stats = {p.name: json.loads((work / f"{'data' if p.name == 'data' else 'w' + p.name[6:]}.json").read_text())
-             for p in swarm.peers if p.name != "bootstrap"}
+    stats = {
+        p.name: json.loads((work / f"{'data' if p.name == 'data' else 'w' + p.name[6:]}.json").read_text())
+        for p in swarm.peers
+        if p.name != "bootstrap"
+    }
     microbatches = done["microbatches_injected"]
     wire_bytes = sum(s["traffic"].get("bytes_sent", 0) for s in stats.values())
     return {
-        "tokens_per_s": done["tokens_per_s"], "final_loss": done["final_loss"],
-        "microbatches": microbatches, "abandoned": done["microbatches_abandoned"],
+        "tokens_per_s": done["tokens_per_s"],
+        "final_loss": done["final_loss"],
+        "microbatches": microbatches,
+        "abandoned": done["microbatches_abandoned"],
         "wire_bytes_per_microbatch": wire_bytes / microbatches,
         "peak_rss_mb": {name: round(s["peak_rss_bytes"] / 2**20, 1) for name, s in stats.items()},
         "rss_samples": {name: s["rss_samples"] for name, s in stats.items()},
     }
+
 
 def memory_growth(samples: list[list[float]]) -> dict:
     """Resident memory early in the run (after warm-up) against the end: median of each fifth."""
     values = [rss for _, rss in samples]
     fifth = max(1, len(values) // 5)
     early, late = statistics.median(values[fifth : 2 * fifth]), statistics.median(values[-fifth:])
-    return {"early_mb": round(early / 2**20, 1), "late_mb": round(late / 2**20, 1),
-            "growth_mb": round((late - early) / 2**20, 1), "samples": len(values)}
+    return {
+        "early_mb": round(early / 2**20, 1),
+        "late_mb": round(late / 2**20, 1),
+        "growth_mb": round((late - early) / 2**20, 1),
+        "samples": len(values),
+    }
+
 
 # ---- per-hop latency: shoal's forward RPC vs a bare hivemind stream, same two processes ----------
+
 
 class Sink:
     """The receiving end of shoal's forward RPC, minus the compute: read and check the tensor, ack."""
@@ -115,6 +156,7 @@ async def _serve_hop(ready_file: str) -> None:
     Path(ready_file).write_text(json.dumps({"maddrs": await dht.visible_maddrs(), "peer_id": dht.peer_id}))
     await asyncio.Event().wait()
 
+
 async def _measure_hops(server: dict) -> dict:
     import torch
 
@@ -126,8 +168,9 @@ async def _measure_hops(server: dict) -> dict:
     client = await SwarmDHT.create(load_identity(None), initial_peers=server["maddrs"], client_mode=True)
     tensor = torch.randn(4, HOP_BYTES // 4 // 4 // 128, 128)  # (B, T, C): a 1 MiB activation
     payload = tensor.numpy().tobytes()
-    request = ForwardRequest(microbatch_id="bench", origin=client.peer_id, step=0, hop=0,
-                             route=(Hop(stage=1, peer_id=server["peer_id"]),))
+    request = ForwardRequest(
+        microbatch_id="bench", origin=client.peer_id, step=0, hop=0, route=(Hop(stage=1, peer_id=server["peer_id"]),)
+    )
     shoal_s, bare_s = [], []
     try:
         for i in range(HOP_REPEATS + 5):
@@ -141,7 +184,8 @@ async def _measure_hops(server: dict) -> dict:
             from hivemind.p2p import PeerID
 
             _, reader, writer = await client.p2p.call_binary_stream_handler(
-                PeerID.from_base58(server["peer_id"]), "bench.bare")
+                PeerID.from_base58(server["peer_id"]), "bench.bare"
+            )
             writer.write(len(payload).to_bytes(8, "big") + payload)
             await writer.drain()
             await reader.readexactly(1)
@@ -152,21 +196,32 @@ async def _measure_hops(server: dict) -> dict:
     finally:
         await client.shutdown()
     shoal_ms, bare_ms = statistics.median(shoal_s) * 1e3, statistics.median(bare_s) * 1e3
-    return {"bytes": HOP_BYTES, "repeats": HOP_REPEATS, "shoal_rpc_median_ms": round(shoal_ms, 2),
-            "bare_stream_median_ms": round(bare_ms, 2), "shoal_over_bare": round(shoal_ms / bare_ms, 2),
-            "shoal_rpc_p90_ms": round(sorted(shoal_s)[int(0.9 * len(shoal_s))] * 1e3, 2),
-            "bare_stream_p90_ms": round(sorted(bare_s)[int(0.9 * len(bare_s))] * 1e3, 2)}
+    return {
+        "bytes": HOP_BYTES,
+        "repeats": HOP_REPEATS,
+        "shoal_rpc_median_ms": round(shoal_ms, 2),
+        "bare_stream_median_ms": round(bare_ms, 2),
+        "shoal_over_bare": round(shoal_ms / bare_ms, 2),
+        "shoal_rpc_p90_ms": round(sorted(shoal_s)[int(0.9 * len(shoal_s))] * 1e3, 2),
+        "bare_stream_p90_ms": round(sorted(bare_s)[int(0.9 * len(bare_s))] * 1e3, 2),
+    }
+
 
 def hop_latency(workdir: Path) -> dict:
     ready = workdir / "hop-server.json"
-    server = subprocess.Popen([sys.executable, __file__, "--serve-hop", str(ready)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve-hop", str(ready)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(ready.exists, 60, "the hop server")
         return asyncio.run(_measure_hops(json.loads(ready.read_text())))
     finally:
         server.kill()
         server.wait(timeout=10)
+
 
 def ratios(swarms: list[dict], locals_: list[dict]) -> list[float]:
     """Swarm ÷ local tokens/s, pairing the runs of the same repeat (measured back to back)."""
@@ -175,6 +230,7 @@ def ratios(swarms: list[dict], locals_: list[dict]) -> list[float]:
 
 def spread(values: list[float], digits: int = 3) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
 
 def markdown(r: dict) -> str:
     ratios2, ratios1 = r["ratio_vs_local_2_threads"], r["ratio_vs_local_1_thread"]
@@ -209,8 +265,10 @@ def markdown(r: dict) -> str:
         f"×{hop['shoal_over_bare']}.",
         "- Peak resident memory per process (MiB): " + ", ".join(f"{k} {v}" for k, v in peak.items()) + ".",
         f"- Stage-worker memory over {mem['microbatches']} microbatches: "
-        + "; ".join(f"{k} {v['early_mb']} → {v['late_mb']} MiB ({v['growth_mb']:+.1f})"
-                    for k, v in mem["nodes"].items()) + ".",
+        + "; ".join(
+            f"{k} {v['early_mb']} → {v['late_mb']} MiB ({v['growth_mb']:+.1f})" for k, v in mem["nodes"].items()
+        )
+        + ".",
         "",
         "What limits it (py-spy on the data node and a worker, wall-clock sampling): no process is CPU-bound — "
         "the data node's compute thread is busy about half the time, the workers' less. Stage 0 holds the "
@@ -225,6 +283,7 @@ def markdown(r: dict) -> str:
         "vocabulary-sized head and embedding alone on the data node.",
     ]
     return "\n".join(lines)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -262,20 +321,26 @@ def main() -> int:
 
     params = run.model.params()
     result = {
-        "command": "python benchmarks/pipeline_efficiency.py"
-                   + (f" --steps {args.steps}" if args.steps != 60 else ""),
+        "command": "python benchmarks/pipeline_efficiency.py" + (f" --steps {args.steps}" if args.steps != 60 else ""),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "run": run.name, "params": params, "stages": run.pipeline.stages, "batch": run.train.batch_size,
-        "seq_len": run.train.seq_len, "microbatches_per_step": run.microbatches_per_step, "steps": args.steps,
+        "run": run.name,
+        "params": params,
+        "stages": run.pipeline.stages,
+        "batch": run.train.batch_size,
+        "seq_len": run.train.seq_len,
+        "microbatches_per_step": run.microbatches_per_step,
+        "steps": args.steps,
         "repeats": args.repeats,
         "activation_bytes": run.train.microbatch_size * run.train.seq_len * run.model.d_model * 4,
-        "local_2_threads": local2, "local_1_thread": local1,
+        "local_2_threads": local2,
+        "local_1_thread": local1,
         "swarm_runs": [{k: v for k, v in s.items() if k != "rss_samples"} for s in swarms],
         "ratio_vs_local_2_threads": ratios(swarms, local2),
         "ratio_vs_local_1_thread": ratios(swarms, local1),
         "hop_latency": hops,
         "memory_over_long_run": {
-            "microbatches": long_run["microbatches"], "abandoned": long_run["abandoned"],
+            "microbatches": long_run["microbatches"],
+            "abandoned": long_run["abandoned"],
             "nodes": {name: memory_growth(samples) for name, samples in long_run["rss_samples"].items()},
             "peak_rss_mb": long_run["peak_rss_mb"],
         },
@@ -284,10 +349,14 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     doc = write_section("pipeline", markdown(result))
-    print(json.dumps({k: result[k] for k in ("ratio_vs_local_2_threads", "ratio_vs_local_1_thread", "hop_latency")},
-                     indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("ratio_vs_local_2_threads", "ratio_vs_local_1_thread", "hop_latency")}, indent=2
+        )
+    )
     print(f"wrote {RESULTS.relative_to(ROOT)} and {doc.relative_to(ROOT)}", file=sys.stderr)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -155,10 +155,17 @@ def _validate(cfg: RunConfig) -> None:
 
     need(bool(cfg.name.strip()), "name", "must not be empty")
     for where, value in [
-        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
-        ("model.n_heads", m.n_heads), ("model.ffn_hidden", m.ffn_hidden), ("model.max_seq_len", m.max_seq_len),
-        ("train.steps", t.steps), ("train.seq_len", t.seq_len), ("train.batch_size", t.batch_size),
-        ("train.microbatch_size", t.microbatch_size), ("train.eval_batches", t.eval_batches),
+        ("model.vocab_size", m.vocab_size),
+        ("model.d_model", m.d_model),
+        ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads),
+        ("model.ffn_hidden", m.ffn_hidden),
+        ("model.max_seq_len", m.max_seq_len),
+        ("train.steps", t.steps),
+        ("train.seq_len", t.seq_len),
+        ("train.batch_size", t.batch_size),
+        ("train.microbatch_size", t.microbatch_size),
+        ("train.eval_batches", t.eval_batches),
     ]:
         need(value > 0, where, f"must be positive, got {value}")
     need(m.vocab_size >= 260, "model.vocab_size", f"must be at least 260 (256 bytes + specials), got {m.vocab_size}")
@@ -206,8 +213,9 @@ def parse_run_config(text: str, source: str = "run config") -> RunConfig:
 
 
 def bundled_runs() -> list[str]:
-    return sorted(p.name.removesuffix(".toml") for p in resources.files("shoal.runs").iterdir()
-                  if p.name.endswith(".toml"))
+    return sorted(
+        p.name.removesuffix(".toml") for p in resources.files("shoal.runs").iterdir() if p.name.endswith(".toml")
+    )
 
 
 def load_run_config(name_or_path: str) -> RunConfig:

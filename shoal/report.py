@@ -38,8 +38,12 @@ def plot_loss(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[floa
     os.replace(tmp, path)
 
 
-def write_report(directory: str | Path, report: dict[str, Any],
-                 curves: dict[str, tuple[Sequence[float], Sequence[float]]], title: str) -> Path:
+def write_report(
+    directory: str | Path,
+    report: dict[str, Any],
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    title: str,
+) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plot_loss(directory / "loss.png", curves, title)

@@ -57,9 +57,20 @@ def test_cli_refuses_bad_config_with_one_line_and_no_traceback(tmp_path, toml, f
     path = tmp_path / "bad.toml"
     path.write_text(toml)
     result = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(path), "--report",
-         str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "train",
+            "--local",
+            "--run-config",
+            str(path),
+            "--report",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -72,7 +83,9 @@ def test_cli_refuses_bad_config_with_one_line_and_no_traceback(tmp_path, toml, f
 def test_cli_refuses_missing_config_file(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(tmp_path / "nope.toml")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "cannot read run config" in result.stderr and "Traceback" not in result.stderr

@@ -17,10 +17,28 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_pat
     run_file = write_tiny_run(tmp_path)
     report_dir = tmp_path / "report"
     result = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "demo", "--run-config", str(run_file), "--steps", "24",
-         "--workers-per-stage", "2", "--crash-at-step", "8", "--report", str(report_dir), "--quiet",
-         "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "demo",
+            "--run-config",
+            str(run_file),
+            "--steps",
+            "24",
+            "--workers-per-stage",
+            "2",
+            "--crash-at-step",
+            "8",
+            "--report",
+            str(report_dir),
+            "--quiet",
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((report_dir / "report.json").read_text())

@@ -20,9 +20,21 @@ RUN = load_run_config("tiny")
 
 def _node_record(peer_id: str, **changes) -> dict:
     record = {
-        "kind": "node", "run_id": RUN.run_id, "peer_id": peer_id, "maddrs": [], "role": "worker", "stage": 1,
-        "state": "active", "block_throughput": 3.0, "max_inflight": 8, "inner_step": 0, "outer_epoch": 0,
-        "loss": None, "grad_norm": None, "protocol_version": 1, "started_at": time.time(),
+        "kind": "node",
+        "run_id": RUN.run_id,
+        "peer_id": peer_id,
+        "maddrs": [],
+        "role": "worker",
+        "stage": 1,
+        "state": "active",
+        "block_throughput": 3.0,
+        "max_inflight": 8,
+        "inner_step": 0,
+        "outer_epoch": 0,
+        "loss": None,
+        "grad_norm": None,
+        "protocol_version": 1,
+        "started_at": time.time(),
         "updated_at": time.time(),
     }
     record.update(changes)
@@ -47,25 +59,37 @@ def test_forged_foreign_and_malformed_records_are_refused():
             forged = _node_record(honest.peer_id, stage=2)
             assert not await attacker.node.store(key, forged, expires + 5, subkey=honest.owner_subkey)
             # A record that breaks the schema, under the attacker's own subkey: refused.
-            for broken in (_node_record(attacker.peer_id, stage="two"), _node_record(attacker.peer_id, loss=-1.0),
-                           _node_record(attacker.peer_id, role="king"), {"kind": "node"}, [1, 2, 3],
-                           dict(_node_record(attacker.peer_id), extra=1)):
+            for broken in (
+                _node_record(attacker.peer_id, stage="two"),
+                _node_record(attacker.peer_id, loss=-1.0),
+                _node_record(attacker.peer_id, role="king"),
+                {"kind": "node"},
+                [1, 2, 3],
+                dict(_node_record(attacker.peer_id), extra=1),
+            ):
                 assert not await attacker.node.store(key, broken, expires, subkey=attacker.owner_subkey)
             # A valid record of this run stored under another run's key: refused.
-            assert not await attacker.node.store(nodes_key("0" * 16), _node_record(attacker.peer_id), expires,
-                                                 subkey=attacker.owner_subkey)
+            assert not await attacker.node.store(
+                nodes_key("0" * 16), _node_record(attacker.peer_id), expires, subkey=attacker.owner_subkey
+            )
             # Unsigned (no owner subkey): refused.
             assert not await attacker.node.store(key, _node_record(attacker.peer_id), expires, subkey=b"anyone")
 
             # A forged run config: its run id does not hash from its content.
-            forged_run = {"kind": "run", "name": "tiny", "run_id": RUN.run_id, "published_at": 1.0,
-                          "toml": RUN.replace({"optim.lr": 1.0}).to_toml()}
+            forged_run = {
+                "kind": "run",
+                "name": "tiny",
+                "run_id": RUN.run_id,
+                "published_at": 1.0,
+                "toml": RUN.replace({"optim.lr": 1.0}).to_toml(),
+            }
             assert not await attacker.node.store(run_key("tiny"), forged_run, expires, subkey=attacker.owner_subkey)
             assert not await attacker.node.store(DEFAULT_RUN_KEY, forged_run, expires, subkey=attacker.owner_subkey)
             # An invalid run config inside a consistent-looking record: refused.
             bad = RUN.to_toml().replace("stages = 3", "stages = 40")
-            assert not await attacker.node.store(run_key("tiny"), dict(forged_run, toml=bad), expires,
-                                                 subkey=attacker.owner_subkey)
+            assert not await attacker.node.store(
+                run_key("tiny"), dict(forged_run, toml=bad), expires, subkey=attacker.owner_subkey
+            )
 
             # What the honest peer sees: only its own, unchanged record; and no run config.
             view = await honest.read_view(RUN)

@@ -76,8 +76,12 @@ def _bad_cases(run) -> dict[str, tuple[TensorHeader, list[bytes]]]:
 
     wrong_dtype = frames(good.to(torch.float16).view(torch.int16).to(torch.int32), "int32")
     oversized_shape = (b, run.model.max_seq_len * 64, d)
-    oversized = (TensorHeader(meta=TensorMeta("float32", oversized_shape), num_chunks=64,
-                              nbytes=b * run.model.max_seq_len * 64 * d * 4), [b"\0" * 16])
+    oversized = (
+        TensorHeader(
+            meta=TensorMeta("float32", oversized_shape), num_chunks=64, nbytes=b * run.model.max_seq_len * 64 * d * 4
+        ),
+        [b"\0" * 16],
+    )
     return {
         "nan": frames(nan),
         "wrong dtype": wrong_dtype,

@@ -14,6 +14,7 @@ from shoal.node.transport import FramedStream, RemoteError, call, open_call
 from shoal.protocol.codec import encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.messages import ErrorReply, Ping, Pong
+from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -38,8 +39,8 @@ def _frame(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def test_garbage_truncated_oversized_and_wrong_version_are_refused(swarm):
-    bootstrap = swarm.start_bootstrap()
+def test_garbage_truncated_oversized_and_wrong_version_are_refused(swarm, tmp_path):
+    bootstrap = swarm.start_bootstrap("--run-config", str(write_tiny_run(tmp_path)))
     node = swarm.start_node([bootstrap.maddrs[0]])
 
     async def scenario():
@@ -53,8 +54,7 @@ def test_garbage_truncated_oversized_and_wrong_version_are_refused(swarm):
                 "truncated": _frame(ping)[:-3],
                 "oversized": (10**9).to_bytes(4, "big") + b"x" * 100,
                 "wrong version": _frame(wrong_version),
-                "wrong type": _frame(encode(Pong(sent_at=1.0, nonce=1, peer_state="x", stage=1,
-                                                 protocol_version=1))),
+                "wrong type": _frame(encode(Pong(sent_at=1.0, nonce=1, peer_state="x", stage=1, protocol_version=1))),
                 "nothing": b"",
             }
             codes = {name: await _raw_exchange(client, node.peer_id, data) for name, data in cases.items()}

@@ -9,10 +9,17 @@ import pytest
 
 from shoal.demo.launcher import shoal_command
 from tests.helpers.processes import wait_until
+from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 TTL = "6"  # seconds: short so that a killed node expires within the test
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    """A hermetic three-stage run: its corpus is written by the test, so no Debian package is needed."""
+    return write_tiny_run(tmp_path)
 
 
 def _status_when(swarm, entry: str, count: int, what: str, *extra: str, timeout_s: float = 40) -> dict:
@@ -27,15 +34,15 @@ def _stages(doc: dict) -> dict[int, int]:
     return {s["stage"]: s["replicas"] for s in doc["stages"]}
 
 
-def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm):
-    bootstrap = swarm.start_bootstrap("--run-config", "shoal/runs/tiny.toml")
+def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm, run_file):
+    bootstrap = swarm.start_bootstrap("--run-config", str(run_file))
     entry = bootstrap.maddrs[0]
     nodes = [swarm.start_node([entry], "--record-ttl", TTL, wait=False) for _ in range(3)]
     for node in nodes:
         swarm.wait_ready(node)
 
     doc = _status_when(swarm, entry, 3, "3 nodes in status")
-    assert doc["run"]["name"] == "tiny" and doc["run"]["stages"] == 3
+    assert doc["run"]["name"] == "test-tiny" and doc["run"]["stages"] == 3
     assert {n["peer_id"] for n in doc["nodes"]} == {n.peer_id for n in nodes}
     assert _stages(doc) == {0: 1, 1: 1, 2: 1}, doc["stages"]
     assert all(n["state"] == "active" and n["throughput"] > 0 for n in doc["nodes"])
@@ -58,22 +65,21 @@ def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm):
     assert time.monotonic() - started < 10
 
 
-def test_swarm_survives_its_bootstrap_peer(swarm):
-    bootstrap = swarm.start_bootstrap("--run-config", "shoal/runs/tiny.toml")
+def test_swarm_survives_its_bootstrap_peer(swarm, run_file):
+    bootstrap = swarm.start_bootstrap("--run-config", str(run_file))
     first = swarm.start_node([bootstrap.maddrs[0]], "--record-ttl", TTL)
     second = swarm.start_node([bootstrap.maddrs[0]], "--record-ttl", TTL)
     swarm.kill(bootstrap)
 
     # A newcomer that never saw the bootstrap peer joins through a surviving node.
-    third = swarm.start_node([first.maddrs[0]], "--record-ttl", TTL, "--run", "tiny")
-    doc = _status_when(swarm, second.maddrs[0], 3, "three nodes after the bootstrap died", "--run", "tiny")
+    third = swarm.start_node([first.maddrs[0]], "--record-ttl", TTL, "--run", "test-tiny")
+    doc = _status_when(swarm, second.maddrs[0], 3, "three nodes after the bootstrap died", "--run", "test-tiny")
     assert {n["peer_id"] for n in doc["nodes"]} == {first.peer_id, second.peer_id, third.peer_id}
     assert _stages(doc) == {0: 1, 1: 1, 2: 1}
 
 
 def test_unreachable_initial_peers_are_one_clear_line():
     dead = "/ip4/127.0.0.1/tcp/1/p2p/QmdXVs4L4mshd12VtyNZ4EzZkmTj1x4aBPkZr6pVCxEd2K"
-    result = subprocess.run(shoal_command("node", "--initial-peers", dead), capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(shoal_command("node", "--initial-peers", dead), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"shoal node: error: none of the --initial-peers answered ({dead})"]

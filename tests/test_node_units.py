@@ -34,9 +34,13 @@ def test_compute_thread_runs_backward_before_queued_forwards_and_reports_errors(
         thread = ComputeThread()
         gate, order = threading.Event(), []
         blocker = thread.run(BACKGROUND, gate.wait)  # holds the thread while we queue work
-        jobs = [thread.run(FORWARD, order.append, "f1"), thread.run(BACKGROUND, order.append, "step"),
-                thread.run(BACKWARD, order.append, "b1"), thread.run(FORWARD, order.append, "f2"),
-                thread.run(BACKWARD, order.append, "b2")]
+        jobs = [
+            thread.run(FORWARD, order.append, "f1"),
+            thread.run(BACKGROUND, order.append, "step"),
+            thread.run(BACKWARD, order.append, "b1"),
+            thread.run(FORWARD, order.append, "f2"),
+            thread.run(BACKWARD, order.append, "b2"),
+        ]
         gate.set()
         await asyncio.gather(blocker, *jobs)
         failing = thread.run(FORWARD, lambda: 1 / 0)
@@ -54,8 +58,12 @@ def _node(peer: str, stage: int, throughput: float, state: str = "active") -> No
 
 
 def test_routes_take_one_live_replica_per_stage_in_proportion_to_speed():
-    view = SwarmView("run", 3, (0, 2, 2), (_node("fast", 1, 30.0), _node("slow", 1, 10.0), _node("b", 2, 5.0),
-                                           _node("gone", 2, 99.0, state="leaving")))
+    view = SwarmView(
+        "run",
+        3,
+        (0, 2, 2),
+        (_node("fast", 1, 30.0), _node("slow", 1, 10.0), _node("b", 2, 5.0), _node("gone", 2, 99.0, state="leaving")),
+    )
     assert choose_route(view, full_pipeline(view), {}) == ((1, "fast"), (2, "b"))
     # load spreads in proportion to throughput: 3 on the fast replica cost what 1 costs on the slow one
     assert pick_replica(view, 1, {"fast": 2}).peer_id == "fast"

@@ -5,16 +5,24 @@ from shoal.planning.swarm_view import NodeInfo, SwarmView
 
 
 def _node(peer: str, stage: int, throughput: float = 10.0, started: float = 0.0, state: str = "active") -> NodeInfo:
-    return NodeInfo(peer_id=peer, role="data" if stage == 0 else "worker", stage=stage, state=state,
-                    block_throughput=throughput, max_inflight=8, started_at=started)
+    return NodeInfo(
+        peer_id=peer,
+        role="data" if stage == 0 else "worker",
+        stage=stage,
+        state=state,
+        block_throughput=throughput,
+        max_inflight=8,
+        started_at=started,
+    )
 
 
 def _view(*nodes: NodeInfo, stages: int = 4) -> SwarmView:
     return SwarmView("run", stages, (0,) + (2,) * (stages - 1), tuple(nodes))
 
 
-def _me(peer: str = "me", throughput: float = 10.0, started: float = 100.0, role: str = "auto",
-        current: int | None = None) -> Candidate:
+def _me(
+    peer: str = "me", throughput: float = 10.0, started: float = 100.0, role: str = "auto", current: int | None = None
+) -> Candidate:
     return Candidate(peer, throughput, started, role, current)
 
 

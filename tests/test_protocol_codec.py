@@ -426,9 +426,7 @@ def test_registering_is_one_decorator_and_refuses_mistakes() -> None:
 # ---------------------------------------------------------------- property tests of the decoder
 
 # Real field names as map keys, so garbage reaches deep into the schemas (not just "unknown field").
-FIELD_NAMES = sorted(
-    {f.name for cls in [*registered_messages().values(), TensorMeta] for f in dataclasses.fields(cls)}
-)
+FIELD_NAMES = sorted({f.name for cls in [*registered_messages().values(), TensorMeta] for f in dataclasses.fields(cls)})
 msgpack_values = st.recursive(
     st.none()
     | st.booleans()
@@ -506,9 +504,7 @@ def test_any_other_version_is_unsupported_whatever_follows(version: int, body: o
 def test_oversize_is_refused_before_parsing(data: bytes, limit: int) -> None:
     if len(data) <= limit:
         data += b"\x00" * (limit + 1 - len(data))
-    with mock.patch.object(
-        codec.msgpack, "unpackb", side_effect=AssertionError("parsed an oversized message")
-    ):
+    with mock.patch.object(codec.msgpack, "unpackb", side_effect=AssertionError("parsed an oversized message")):
         with pytest.raises(MessageTooLarge):
             decode(data, max_bytes=limit)
 

@@ -45,9 +45,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_importing_the_protocol_loads_neither_torch_nor_hivemind() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True
-    )
+    result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
     loaded = json.loads(result.stdout)
     for stage in ("after_init", "after_all"):
         heavy = [m for m in loaded[stage] if m.split(".")[0] in HEAVY]

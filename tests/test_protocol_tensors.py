@@ -138,12 +138,8 @@ def test_frame_payload_refuses_a_payload_of_the_wrong_size() -> None:
 def test_frames_reassemble_exactly(rows: int, chunk_bytes: int, data: st.DataObject) -> None:
     payload = data.draw(st.binary(min_size=rows * 16, max_size=rows * 16))
     header, chunks = frame_payload(TensorMeta("float32", (rows, 4)), payload, chunk_bytes)
-    assert header.nbytes == len(payload) and header.num_chunks == len(chunks) == chunk_count(
-        len(payload), chunk_bytes
-    )
-    out = assemble(
-        decode(encode(header), TensorHeader), [bytes(c) for c in chunks], SPEC, chunk_bytes=chunk_bytes
-    )
+    assert header.nbytes == len(payload) and header.num_chunks == len(chunks) == chunk_count(len(payload), chunk_bytes)
+    out = assemble(decode(encode(header), TensorHeader), [bytes(c) for c in chunks], SPEC, chunk_bytes=chunk_bytes)
     assert out == payload
 
 
@@ -251,9 +247,7 @@ def test_assembler_refuses_short_chunks_once_the_declared_count_is_used_up() -> 
         assembler.add(chunks[-1][:4])
 
 
-@pytest.mark.parametrize(
-    ("chunk", "reason"), [(b"", "a chunk of 0 bytes"), (b"x" * (CHUNK + 1), "chunk of 9 bytes")]
-)
+@pytest.mark.parametrize(("chunk", "reason"), [(b"", "a chunk of 0 bytes"), (b"x" * (CHUNK + 1), "chunk of 9 bytes")])
 def test_assembler_refuses_empty_and_oversized_chunks(chunk: bytes, reason: str) -> None:
     _, header, _ = _frames()
     assembler = _assembler()
@@ -276,9 +270,7 @@ def test_assembler_refuses_chunks_before_the_header_and_a_second_header() -> Non
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.binary(max_size=12), max_size=10), st.integers(0, 4))
-def test_any_chunk_sequence_is_assembled_exactly_or_refused_as_bad_tensor(
-    chunks: list[bytes], rows: int
-) -> None:
+def test_any_chunk_sequence_is_assembled_exactly_or_refused_as_bad_tensor(chunks: list[bytes], rows: int) -> None:
     header, _ = frame_payload(TensorMeta("float32", (rows, 4)), bytes(rows * 16), CHUNK)
     try:
         out = assemble(header, chunks, SPEC, chunk_bytes=CHUNK)

@@ -39,9 +39,25 @@ def test_cli_writes_report_and_plot(tmp_path):
     config = write_tiny_run(tmp_path)
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "train", "--local", "--run-config", str(config), "--steps", "30",
-         "--report", str(out), "--quiet", "--threads", "1"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "train",
+            "--local",
+            "--run-config",
+            str(config),
+            "--steps",
+            "30",
+            "--report",
+            str(out),
+            "--quiet",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())

@@ -1,6 +1,6 @@
 """`shoal bootstrap`: host a bootstrap peer and print the addresses others pass as --initial-peers.
 
-    shoal bootstrap --identity bootstrap.id --host-maddrs /ip4/0.0.0.0/tcp/31337 --run-config run.toml
+shoal bootstrap --identity bootstrap.id --host-maddrs /ip4/0.0.0.0/tcp/31337 --run-config run.toml
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from shoal.node.command import add_network_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_network_arguments(parser)
-    parser.add_argument("--run-config", default=None, metavar="FILE",
-                        help="publish this run (signed) as the swarm's default, and keep republishing it")
+    parser.add_argument(
+        "--run-config",
+        default=None,
+        metavar="FILE",
+        help="publish this run (signed) as the swarm's default, and keep republishing it",
+    )
     parser.add_argument("--record-ttl", type=float, default=60.0, help="lifetime of the published run record")
 
 
@@ -29,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--record-ttl must be between 3 and 3600 seconds")
 
     async def create() -> BootstrapPeer:
-        return await BootstrapPeer.create(args.identity, args.host_maddrs, args.announce_maddrs,
-                                          args.initial_peers, run_config, args.record_ttl)
+        return await BootstrapPeer.create(
+            args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers, run_config, args.record_ttl
+        )
 
     async def announce(peer: BootstrapPeer) -> None:
         for maddr in await peer.maddrs():

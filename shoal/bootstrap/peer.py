@@ -24,9 +24,15 @@ class BootstrapPeer:
         self._tasks: list[asyncio.Task] = []
 
     @classmethod
-    async def create(cls, identity_path: str | None, host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                     initial_peers: Sequence[str] = (), run: RunConfig | None = None,
-                     record_ttl_s: float = 60.0) -> BootstrapPeer:
+    async def create(
+        cls,
+        identity_path: str | None,
+        host_maddrs: Sequence[str],
+        announce_maddrs: Sequence[str],
+        initial_peers: Sequence[str] = (),
+        run: RunConfig | None = None,
+        record_ttl_s: float = 60.0,
+    ) -> BootstrapPeer:
         dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
         peer = cls(dht, run, record_ttl_s)
         if run is not None:

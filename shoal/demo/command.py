@@ -23,8 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--workers-per-stage", type=int, default=2, help="stage workers per block stage")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
-    parser.add_argument("--crash-at-step", type=int, default=None, metavar="STEP",
-                        help="SIGKILL one stage worker (of a stage with a spare replica) at this step")
+    parser.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="SIGKILL one stage worker (of a stage with a spare replica) at this step",
+    )
     parser.add_argument("--record-ttl", type=float, default=6.0, help="node record lifetime (s)")
     parser.add_argument("--report", default="demo-report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--workdir", default=None, help="keep node logs here (default: a temporary folder)")
@@ -54,8 +59,11 @@ def _render(run, events: list[dict], alive: int, total: int, started: float, not
     table.add_row("step", f"{len(steps)}/{run.train.steps}")
     table.add_row("loss", f"{last['loss']:.3f}" if last.get("loss") is not None else "-")
     table.add_row("tokens/s", f"{last.get('tokens_per_s', 0):,.0f}")
-    table.add_row("microbatches", f"{last.get('microbatches_completed', 0)} done, "
-                  f"{last.get('microbatches_abandoned', 0)} abandoned, {last.get('in_flight', 0)} in flight")
+    table.add_row(
+        "microbatches",
+        f"{last.get('microbatches_completed', 0)} done, "
+        f"{last.get('microbatches_abandoned', 0)} abandoned, {last.get('in_flight', 0)} in flight",
+    )
     table.add_row("nodes alive", f"{alive}/{total}")
     table.add_row("elapsed", f"{time.monotonic() - started:.0f} s")
     if note:
@@ -94,13 +102,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
         console.print(f"bootstrap peer: {entry}", soft_wrap=True)
-        workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(workdir / f"stats-w{i}.json"),
-                                    *node_args, wait=False, name=f"worker{i}")
-                   for i in range(args.workers_per_stage * (run_config.pipeline.stages - 1))]
+        workers = [
+            swarm.start_node(
+                [entry],
+                "--role",
+                "worker",
+                "--stats-file",
+                str(workdir / f"stats-w{i}.json"),
+                *node_args,
+                wait=False,
+                name=f"worker{i}",
+            )
+            for i in range(args.workers_per_stage * (run_config.pipeline.stages - 1))
+        ]
         for worker in workers:
             swarm.wait_ready(worker)
-        data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
-                                "--stats-file", str(workdir / "stats-data.json"), *node_args, name="data")
+        data = swarm.start_node(
+            [entry],
+            "--role",
+            "data",
+            "--progress-file",
+            str(progress),
+            "--stats-file",
+            str(workdir / "stats-data.json"),
+            *node_args,
+            name="data",
+        )
         console.print(f"{len(workers)} stage workers and 1 data node active after {time.monotonic() - started:.0f} s")
         note = ""
         with Live(console=console, refresh_per_second=2, transient=False) as live:
@@ -129,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
         swarm.close()
     report_path = build_report(Path(args.report), run_config, _read_progress(progress), swarm, workdir, crash, wall_s)
     summary = json.loads(report_path.read_text())
-    console.print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "
-                  f"microbatches {summary['microbatches_injected']} injected = {summary['microbatches_completed']} "
-                  f"completed + {summary['microbatches_abandoned']} abandoned; {wall_s:.0f} s; logs in {workdir}")
+    console.print(
+        f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "
+        f"microbatches {summary['microbatches_injected']} injected = {summary['microbatches_completed']} "
+        f"completed + {summary['microbatches_abandoned']} abandoned; {wall_s:.0f} s; logs in {workdir}"
+    )
     print(report_path)
     return 0
 

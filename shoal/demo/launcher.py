@@ -70,8 +70,14 @@ class LocalSwarm:
         log_path = self.workdir / f"{len(self.peers):02d}-{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(log_path, "w") as log:
-            process = subprocess.Popen(shoal_command("--log-level", self.log_level, *args), stdout=stdout,
-                                       stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
+            process = subprocess.Popen(
+                shoal_command("--log-level", self.log_level, *args),
+                stdout=stdout,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
         peer = Peer(name, process, log_path)
         self.peers.append(peer)
         return peer
@@ -88,8 +94,10 @@ class LocalSwarm:
     def start_node(self, initial_peers: list[str], *extra: str, wait: bool = True, name: str = "node") -> Peer:
         index = len(self.peers)
         ready = self.workdir / f"ready-{index:02d}.json"
-        peer = self._spawn(["node", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK,
-                            "--ready-file", str(ready), *extra], name)
+        peer = self._spawn(
+            ["node", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra],
+            name,
+        )
         peer.ready_file = ready
         if wait:
             self.wait_ready(peer)
@@ -109,8 +117,12 @@ class LocalSwarm:
         return peer
 
     def status(self, initial_peer: str, *extra: str, timeout_s: float = 60.0) -> dict:
-        result = subprocess.run(shoal_command("status", "--initial-peers", initial_peer, "--json", *extra),
-                                capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run(
+            shoal_command("status", "--initial-peers", initial_peer, "--json", *extra),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"shoal status failed: {result.stderr}")
         return json.loads(result.stdout)

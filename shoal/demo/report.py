@@ -11,32 +11,52 @@ from shoal.report import write_report
 
 
 def _node_row(peer, stats_path: Path) -> dict:
-    row = {"name": peer.name, "peer_id": peer.peer_id, "role": peer.role, "stage": peer.stage,
-           "exit_code": peer.process.returncode}
+    row = {
+        "name": peer.name,
+        "peer_id": peer.peer_id,
+        "role": peer.role,
+        "stage": peer.stage,
+        "exit_code": peer.process.returncode,
+    }
     if stats_path.exists():
         stats = json.loads(stats_path.read_text())
         engine, traffic = stats.get("engine", {}), stats.get("traffic", {})
-        row.update({
-            "state": "stopped", "inner_steps": stats.get("inner_step"),
-            "forwards": engine.get("forwards"), "backwards": engine.get("backwards"),
-            "bytes_sent": traffic.get("bytes_sent"), "bytes_received": traffic.get("bytes_received"),
-            "peak_rss_mb": round(stats.get("peak_rss_bytes", 0) / 2**20, 1),
-        })
+        row.update(
+            {
+                "state": "stopped",
+                "inner_steps": stats.get("inner_step"),
+                "forwards": engine.get("forwards"),
+                "backwards": engine.get("backwards"),
+                "bytes_sent": traffic.get("bytes_sent"),
+                "bytes_received": traffic.get("bytes_received"),
+                "peak_rss_mb": round(stats.get("peak_rss_bytes", 0) / 2**20, 1),
+            }
+        )
     else:
         row["state"] = "crashed" if peer.process.returncode not in (0, None) else "unknown"
     return row
 
 
-def build_report(directory: Path, run: RunConfig, events: list[dict], swarm: LocalSwarm, workdir: Path,
-                 crash: dict, wall_s: float) -> Path:
+def build_report(
+    directory: Path, run: RunConfig, events: list[dict], swarm: LocalSwarm, workdir: Path, crash: dict, wall_s: float
+) -> Path:
     steps = [e for e in events if e["event"] == "step"]
     done = next((e for e in events if e["event"] == "done"), {})
-    stats_files = {p.name: workdir / (f"stats-{'data' if p.name == 'data' else 'w' + p.name[6:]}.json")
-                   for p in swarm.peers if p.name != "bootstrap"}
+    stats_files = {
+        p.name: workdir / (f"stats-{'data' if p.name == 'data' else 'w' + p.name[6:]}.json")
+        for p in swarm.peers
+        if p.name != "bootstrap"
+    }
     report = {
-        "mode": "swarm", "run": run.name, "run_id": run.run_id, "steps": len(steps),
-        "initial_loss": done.get("initial_loss"), "final_loss": done.get("final_loss"),
-        "val_loss": done.get("val_loss"), "tokens_per_s": done.get("tokens_per_s"), "wall_s": wall_s,
+        "mode": "swarm",
+        "run": run.name,
+        "run_id": run.run_id,
+        "steps": len(steps),
+        "initial_loss": done.get("initial_loss"),
+        "final_loss": done.get("final_loss"),
+        "val_loss": done.get("val_loss"),
+        "tokens_per_s": done.get("tokens_per_s"),
+        "wall_s": wall_s,
         "microbatches_injected": done.get("microbatches_injected"),
         "microbatches_completed": done.get("microbatches_completed"),
         "microbatches_abandoned": done.get("microbatches_abandoned"),
@@ -46,5 +66,9 @@ def build_report(directory: Path, run: RunConfig, events: list[dict], swarm: Loc
         "losses": [e["loss"] for e in steps],
     }
     curve = [(e["step"], e["loss"]) for e in steps if e["loss"] is not None]
-    return write_report(directory, report, {"swarm": ([s for s, _ in curve], [v for _, v in curve])},
-                        f"shoal demo ({run.name}): {len(report['nodes'])} nodes")
+    return write_report(
+        directory,
+        report,
+        {"swarm": ([s for s, _ in curve], [v for _, v in curve])},
+        f"shoal demo ({run.name}): {len(report['nodes'])} nodes",
+    )

@@ -65,9 +65,19 @@ def check_exact(model: type[_Strict], value: Any) -> _Strict:
 
 def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
     return NodeInfo(
-        peer_id=record.peer_id, role=record.role, stage=record.stage, state=record.state,
-        block_throughput=record.block_throughput, max_inflight=record.max_inflight, maddrs=tuple(record.maddrs),
-        inner_step=record.inner_step, outer_epoch=record.outer_epoch, loss=record.loss,
-        grad_norm=record.grad_norm, protocol_version=record.protocol_version, started_at=record.started_at,
-        updated_at=record.updated_at, expires_at=expires_at,
+        peer_id=record.peer_id,
+        role=record.role,
+        stage=record.stage,
+        state=record.state,
+        block_throughput=record.block_throughput,
+        max_inflight=record.max_inflight,
+        maddrs=tuple(record.maddrs),
+        inner_step=record.inner_step,
+        outer_epoch=record.outer_epoch,
+        loss=record.loss,
+        grad_norm=record.grad_norm,
+        protocol_version=record.protocol_version,
+        started_at=record.started_at,
+        updated_at=record.updated_at,
+        expires_at=expires_at,
     )

@@ -96,8 +96,13 @@ class SwarmDHT:
         return await self._store(nodes_key(record["run_id"]), record, ttl_s)
 
     async def publish_run(self, config: RunConfig, ttl_s: float, as_default: bool) -> bool:
-        record = {"kind": "run", "name": config.name, "run_id": config.run_id, "toml": config.to_toml(),
-                  "published_at": float(get_dht_time())}
+        record = {
+            "kind": "run",
+            "name": config.name,
+            "run_id": config.run_id,
+            "toml": config.to_toml(),
+            "published_at": float(get_dht_time()),
+        }
         check_exact(RunRecord, record)
         stored = await self._store(run_key(config.name), record, ttl_s)
         if as_default:

@@ -72,8 +72,9 @@ def load_token_splits(data: DataConfig, vocab_size: int) -> TokenSplits:
 class BatchSampler:
     """Batches of (inputs, targets), each (B, T) int64, from one shard of non-overlapping windows."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int,
-                 shard: int = 0, num_shards: int = 1):
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, shard: int = 0, num_shards: int = 1
+    ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
         windows = (len(tokens) - 1) // seq_len

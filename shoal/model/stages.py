@@ -53,7 +53,10 @@ def forward_route(
 
 
 def hop_by_hop_step(
-    head: HeadStage, route: Sequence[BlockStage], tokens: torch.Tensor, targets: torch.Tensor,
+    head: HeadStage,
+    route: Sequence[BlockStage],
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
     loss_scale: float = 1.0,
 ) -> float:
     """Forward and backward the way the swarm does it: each hop sees only a detached input.

@@ -1,6 +1,6 @@
 """`shoal node`: join a swarm and work.
 
-    shoal node --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME | --run-config FILE]
+shoal node --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME | --run-config FILE]
 """
 
 from __future__ import annotations
@@ -10,16 +10,35 @@ import sys
 
 
 def add_network_arguments(parser: argparse.ArgumentParser, with_identity: bool = True) -> None:
-    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                        help="multiaddresses of any peers of the swarm (e.g. a bootstrap peer)")
-    parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
-                        help="where to listen (default: loopback, a free port; use /ip4/0.0.0.0/tcp/PORT "
-                             "to accept peers from other machines)")
-    parser.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
-                        help="the addresses other peers should dial (behind NAT or port forwarding)")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddresses of any peers of the swarm (e.g. a bootstrap peer)",
+    )
+    parser.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/127.0.0.1/tcp/0"],
+        metavar="MADDR",
+        help="where to listen (default: loopback, a free port; use /ip4/0.0.0.0/tcp/PORT "
+        "to accept peers from other machines)",
+    )
+    parser.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="the addresses other peers should dial (behind NAT or port forwarding)",
+    )
     if with_identity:
-        parser.add_argument("--identity", default=None, metavar="PATH",
-                            help="identity file, created on first use; keeps the peer id across restarts")
+        parser.add_argument(
+            "--identity",
+            default=None,
+            metavar="PATH",
+            help="identity file, created on first use; keeps the peer id across restarts",
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,12 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
-    parser.add_argument("--microbatch-timeout", type=float, default=60.0,
-                        help="seconds before a data node abandons a microbatch that has not come back")
+    parser.add_argument(
+        "--microbatch-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before a data node abandons a microbatch that has not come back",
+    )
     parser.add_argument("--data-shard", default="0/1", metavar="K/N", help="this data node's shard of the data")
     parser.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line here once active")
-    parser.add_argument("--progress-file", default=None, metavar="PATH",
-                        help="data nodes append a JSON line per training step here")
+    parser.add_argument(
+        "--progress-file", default=None, metavar="PATH", help="data nodes append a JSON line per training step here"
+    )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
 
 
@@ -56,11 +80,23 @@ def node_config(args: argparse.Namespace):
     shard, shards = _shard(args.data_shard)
 
     return NodeConfig(
-        initial_peers=tuple(args.initial_peers), identity=args.identity, host_maddrs=tuple(args.host_maddrs),
-        announce_maddrs=tuple(args.announce_maddrs), run_name=args.run, run_config_path=args.run_config,
-        data_path=args.data, role=args.role, threads=args.threads, max_inflight=args.max_inflight,
-        record_ttl_s=args.record_ttl, microbatch_timeout_s=args.microbatch_timeout, data_shard=shard,
-        data_shards=shards, ready_file=args.ready_file, progress_file=args.progress_file, stats_file=args.stats_file,
+        initial_peers=tuple(args.initial_peers),
+        identity=args.identity,
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        run_name=args.run,
+        run_config_path=args.run_config,
+        data_path=args.data,
+        role=args.role,
+        threads=args.threads,
+        max_inflight=args.max_inflight,
+        record_ttl_s=args.record_ttl,
+        microbatch_timeout_s=args.microbatch_timeout,
+        data_shard=shard,
+        data_shards=shards,
+        ready_file=args.ready_file,
+        progress_file=args.progress_file,
+        stats_file=args.stats_file,
     )
 
 
@@ -76,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
 
     async def announce(node: Node) -> None:
-        print(f"node {node.peer_id} active: {node.role} on stage {node.stage} of run "
-              f"{node.run.name}@{node.run.run_id}", flush=True)
+        print(
+            f"node {node.peer_id} active: {node.role} on stage {node.stage} of run {node.run.name}@{node.run.run_id}",
+            flush=True,
+        )
 
     return run_daemon(lambda: Node.create(config), announce)

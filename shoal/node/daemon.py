@@ -112,9 +112,7 @@ class Node:
         try:
             run = await resolve_run(dht, config)
             logger.info("run %s (%s): %s", run.name, run.run_id, run.to_json())
-            throughput = await asyncio.get_running_loop().run_in_executor(
-                None, capacity.measure_block_throughput, run
-            )
+            throughput = await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
             node = cls(config, dht, run, throughput)
             await node._start()
         except BaseException:
@@ -135,18 +133,31 @@ class Node:
         return ROLE_DATA if self.stage == 0 else ROLE_WORKER
 
     def candidate(self) -> Candidate:
-        return Candidate(peer_id=self.peer_id, block_throughput=self.block_throughput,
-                         started_at=self.started_at, role=self.config.role, current_stage=self.stage)
+        return Candidate(
+            peer_id=self.peer_id,
+            block_throughput=self.block_throughput,
+            started_at=self.started_at,
+            role=self.config.role,
+            current_stage=self.stage,
+        )
 
     def record(self) -> dict:
         return {
-            "kind": "node", "run_id": self.run.run_id, "peer_id": self.peer_id, "maddrs": self._maddrs,
-            "role": self.role, "stage": int(self.stage or 0), "state": self.state,
-            "block_throughput": float(self.block_throughput), "max_inflight": int(self.max_inflight),
-            "inner_step": int(self.inner_step), "outer_epoch": int(self.outer_epoch),
+            "kind": "node",
+            "run_id": self.run.run_id,
+            "peer_id": self.peer_id,
+            "maddrs": self._maddrs,
+            "role": self.role,
+            "stage": int(self.stage or 0),
+            "state": self.state,
+            "block_throughput": float(self.block_throughput),
+            "max_inflight": int(self.max_inflight),
+            "inner_step": int(self.inner_step),
+            "outer_epoch": int(self.outer_epoch),
             "loss": None if self.loss is None else float(self.loss),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "protocol_version": PROTOCOL_VERSION, "started_at": self.started_at,
+            "protocol_version": PROTOCOL_VERSION,
+            "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
         }
 
@@ -217,8 +228,18 @@ class Node:
             return
         path = Path(self.config.ready_file)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"peer_id": self.peer_id, "maddrs": self._maddrs, "stage": self.stage,
-                                   "role": self.role, "run_id": self.run.run_id, "pid": os.getpid()}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "peer_id": self.peer_id,
+                    "maddrs": self._maddrs,
+                    "stage": self.stage,
+                    "role": self.role,
+                    "run_id": self.run.run_id,
+                    "pid": os.getpid(),
+                }
+            )
+        )
         os.replace(tmp, path)
 
     async def _heartbeat(self) -> None:
@@ -265,11 +286,17 @@ class Node:
         engine = self.engine
         samples = self.memory_samples
         return {
-            "peer_id": self.peer_id, "role": self.role, "stage": self.stage, "inner_step": self.inner_step,
-            "loss": self.loss, "block_throughput": self.block_throughput, "max_inflight": self.max_inflight,
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "stage": self.stage,
+            "inner_step": self.inner_step,
+            "loss": self.loss,
+            "block_throughput": self.block_throughput,
+            "max_inflight": self.max_inflight,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
-            "traffic": vars(engine.traffic) if engine else {}, "engine": engine.stats() if engine else {},
+            "traffic": vars(engine.traffic) if engine else {},
+            "engine": engine.stats() if engine else {},
         }
 
     def _write_stats_file(self) -> None:

@@ -74,8 +74,9 @@ class DataDriver(PipelineEngine):
     async def prepare(self) -> None:
         run = self.run
         self.splits = await self.compute(load_token_splits, run.data, run.model.vocab_size)
-        self.sampler = BatchSampler(self.splits.train, run.train.seq_len, run.train.batch_size, run.train.seed,
-                                    self.shard, self.num_shards)
+        self.sampler = BatchSampler(
+            self.splits.train, run.train.seq_len, run.train.batch_size, run.train.seed, self.shard, self.num_shards
+        )
 
     def _progress(self, event: dict) -> None:
         if self.progress_path:
@@ -91,8 +92,12 @@ class DataDriver(PipelineEngine):
                 return
             if view is not None and time.monotonic() - last_report >= report_s:
                 missing = [s for s in full_pipeline(view) if not view.replicas(s)]
-                logger.warning("[%s] waiting %.0f s for a replica of stage(s) %s before training",
-                               self.node.short_id, time.monotonic() - started, missing)
+                logger.warning(
+                    "[%s] waiting %.0f s for a replica of stage(s) %s before training",
+                    self.node.short_id,
+                    time.monotonic() - started,
+                    missing,
+                )
                 last_report = time.monotonic()
             await asyncio.sleep(poll_s)
             self.node.view = await self.node.dht.read_view(self.run)
@@ -108,16 +113,28 @@ class DataDriver(PipelineEngine):
             result = await self.train_step(step)
             self.history.append(result)
             self.node.loss = result.loss
-            self._progress({"event": "step", "step": step, "loss": result.loss, "tokens": result.tokens,
-                            "step_s": result.seconds, "elapsed_s": time.monotonic() - started,
-                            "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
-                            "in_flight": self.ledger.in_flight, **self.ledger.summary(), **result.extra})
+            self._progress(
+                {
+                    "event": "step",
+                    "step": step,
+                    "loss": result.loss,
+                    "tokens": result.tokens,
+                    "step_s": result.seconds,
+                    "elapsed_s": time.monotonic() - started,
+                    "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+                    "in_flight": self.ledger.in_flight,
+                    **self.ledger.summary(),
+                    **result.extra,
+                }
+            )
         val_loss = await self.evaluate()
         losses = [r.loss for r in self.history if r.loss is not None]
         tail = losses[-5:]
         self.summary = {
-            "steps": len(self.history), "initial_loss": losses[0] if losses else None,
-            "final_loss": sum(tail) / len(tail) if tail else None, "val_loss": val_loss,
+            "steps": len(self.history),
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": sum(tail) / len(tail) if tail else None,
+            "val_loss": val_loss,
             "train_s": time.monotonic() - started,
             "tokens_per_s": sum(r.tokens for r in self.history) / max(sum(r.seconds for r in self.history), 1e-9),
             **self.ledger.summary(),
@@ -132,15 +149,21 @@ class DataDriver(PipelineEngine):
         n_micro = self.run.microbatches_per_step
         slots = asyncio.Semaphore(self.node.max_inflight)
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
-        jobs = [asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots))
-                for i, (x, y) in enumerate(pieces)]
+        jobs = [
+            asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots))
+            for i, (x, y) in enumerate(pieces)
+        ]
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         stats = await self.compute(self.optimizer.step)
         self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
         tokens_per_microbatch = inputs.numel() // n_micro
-        return StepResult(step=step, loss=sum(losses) / len(losses) if losses else None,
-                          tokens=len(losses) * tokens_per_microbatch,
-                          seconds=time.monotonic() - started, extra={"lr": stats.lr})
+        return StepResult(
+            step=step,
+            loss=sum(losses) / len(losses) if losses else None,
+            tokens=len(losses) * tokens_per_microbatch,
+            seconds=time.monotonic() - started,
+            extra={"lr": stats.lr},
+        )
 
     @torch.no_grad()
     def _embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -150,8 +173,16 @@ class DataDriver(PipelineEngine):
         with torch.enable_grad():
             return self.head.embed(tokens)
 
-    async def _microbatch(self, tag: str, step: int, tokens: torch.Tensor, targets: torch.Tensor,
-                          loss_scale: float, slots: asyncio.Semaphore, train: bool = True) -> float | None:
+    async def _microbatch(
+        self,
+        tag: str,
+        step: int,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_scale: float,
+        slots: asyncio.Semaphore,
+        train: bool = True,
+    ) -> float | None:
         """Inject one microbatch and wait for its fate; returns its loss if it completed."""
         microbatch_id = f"{self.node.short_id}-{tag}" if train else f"{self.node.short_id}-eval-{tag}"
         async with slots:
@@ -166,8 +197,14 @@ class DataDriver(PipelineEngine):
             entry = InFlight(embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
             self.in_flight[microbatch_id] = entry
             self.load.update(entry.route_peers)
-            request = ForwardRequest(microbatch_id=microbatch_id, origin=self.node.peer_id, step=step, hop=0,
-                                     route=tuple(Hop(stage=s, peer_id=p) for s, p in route), needs_backward=train)
+            request = ForwardRequest(
+                microbatch_id=microbatch_id,
+                origin=self.node.peer_id,
+                step=step,
+                hop=0,
+                route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
+                needs_backward=train,
+            )
             try:
                 await push_forward(self, request, embedded.detach())
                 await asyncio.wait_for(asyncio.shield(done), self.node.config.microbatch_timeout_s)
@@ -232,8 +269,9 @@ class DataDriver(PipelineEngine):
             self._finish(request.microbatch_id, None)
             return
         last = len(request.route) - 1
-        backward = BackwardRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
-                                   hop=last, route=request.route)
+        backward = BackwardRequest(
+            microbatch_id=request.microbatch_id, origin=request.origin, step=request.step, hop=last, route=request.route
+        )
         try:
             await self.send(request.route[last].peer_id, "rpc_backward", backward, grad)
         except HopFailed as e:
@@ -260,8 +298,11 @@ class DataDriver(PipelineEngine):
     def reap_lost(self, live_peers: set[str]) -> int:
         """Abandon in-flight microbatches routed through a peer that left the swarm (its record
         expired or says `leaving`): their activations are gone with it, so waiting is pointless."""
-        lost = [(mb, next(p for p in entry.route_peers if p not in live_peers))
-                for mb, entry in self.in_flight.items() if not set(entry.route_peers) <= live_peers]
+        lost = [
+            (mb, next(p for p in entry.route_peers if p not in live_peers))
+            for mb, entry in self.in_flight.items()
+            if not set(entry.route_peers) <= live_peers
+        ]
         for microbatch_id, peer in lost:
             self._finish(microbatch_id, f"peer {peer[-8:]} left the swarm")
         return len(lost)
@@ -288,8 +329,9 @@ class DataDriver(PipelineEngine):
         slots = asyncio.Semaphore(self.node.max_inflight)
         jobs = []
         for b, (x, y) in enumerate(validation_batches(self.splits.val, t.seq_len, t.batch_size, t.eval_batches)):
-            for i, (xm, ym) in enumerate(zip(x.chunk(self.run.microbatches_per_step),
-                                             y.chunk(self.run.microbatches_per_step), strict=True)):
+            for i, (xm, ym) in enumerate(
+                zip(x.chunk(self.run.microbatches_per_step), y.chunk(self.run.microbatches_per_step), strict=True)
+            ):
                 jobs.append(self._microbatch(f"{b}.{i}", -1, xm, ym, 1.0, slots, train=False))
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         return sum(losses) / len(losses) if losses else None

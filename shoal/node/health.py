@@ -19,6 +19,10 @@ class HealthService:
         self.node = node
 
     async def rpc_ping(self, request: Ping, stream: FramedStream, peer: PeerID) -> Pong:
-        return Pong(sent_at=request.sent_at, nonce=request.nonce, peer_state=self.node.state,
-                    stage=self.node.stage if self.node.stage is not None else -1,
-                    protocol_version=PROTOCOL_VERSION)
+        return Pong(
+            sent_at=request.sent_at,
+            nonce=request.nonce,
+            peer_state=self.node.state,
+            stage=self.node.stage if self.node.stage is not None else -1,
+            protocol_version=PROTOCOL_VERSION,
+        )

@@ -83,8 +83,10 @@ class PipelineEngine:
     def check_activation(self, x: torch.Tensor) -> None:
         batch, seq = x.shape[0], x.shape[1]
         if not (1 <= batch <= self.run.train.microbatch_size and 1 <= seq <= self.run.model.max_seq_len):
-            raise BadTensor(f"activation shape {tuple(x.shape)} outside this run's microbatch "
-                            f"({self.run.train.microbatch_size}, {self.run.model.max_seq_len}, d)")
+            raise BadTensor(
+                f"activation shape {tuple(x.shape)} outside this run's microbatch "
+                f"({self.run.train.microbatch_size}, {self.run.model.max_seq_len}, d)"
+            )
 
     async def read_activation(self, stream: FramedStream) -> torch.Tensor:
         x = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes)
@@ -93,8 +95,9 @@ class PipelineEngine:
         self.traffic.bytes_received += x.numel() * DTYPE_SIZES[self.wire_dtype]
         return x
 
-    async def send(self, peer_id: str, rpc: str, request: ForwardRequest | BackwardRequest,
-                   tensor: torch.Tensor) -> None:
+    async def send(
+        self, peer_id: str, rpc: str, request: ForwardRequest | BackwardRequest, tensor: torch.Tensor
+    ) -> None:
         """Send one request and its tensor; returns when the receiver acknowledged taking it."""
         timeout_s = self.node.config.rpc_timeout_s
         try:
@@ -123,8 +126,9 @@ class PipelineEngine:
         self.compute_thread.shutdown()
 
 
-async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: torch.Tensor,
-                       attempts: int = 3) -> ForwardRequest:
+async def push_forward(
+    engine: PipelineEngine, request: ForwardRequest, tensor: torch.Tensor, attempts: int = 3
+) -> ForwardRequest:
     """Deliver an activation to hop `request.hop`, re-routing that hop to another live replica of
     the same stage if its peer fails (the sender still holds the tensor, so only this hop is redone).
     Returns the request as delivered (its route may have changed); raises HopFailed if nobody took it.
@@ -148,9 +152,19 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
                 break
             route = list(request.route)
             route[request.hop] = Hop(stage=stage, peer_id=replica.peer_id)
-            logger.info("[%s] re-routing %s: stage %d -> %s", engine.node.short_id, request.microbatch_id,
-                        stage, replica.peer_id[-8:])
-            request = ForwardRequest(microbatch_id=request.microbatch_id, origin=request.origin,
-                                     step=request.step, hop=request.hop, route=tuple(route),
-                                     needs_backward=request.needs_backward)
+            logger.info(
+                "[%s] re-routing %s: stage %d -> %s",
+                engine.node.short_id,
+                request.microbatch_id,
+                stage,
+                replica.peer_id[-8:],
+            )
+            request = ForwardRequest(
+                microbatch_id=request.microbatch_id,
+                origin=request.origin,
+                step=request.step,
+                hop=request.hop,
+                route=tuple(route),
+                needs_backward=request.needs_backward,
+            )
     raise HopFailed("; ".join(failures)[:200])

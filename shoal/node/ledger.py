@@ -49,6 +49,10 @@ class MicrobatchLedger:
 
     def summary(self) -> dict:
         assert self.injected == self.completed + self.abandoned + self.in_flight, "ledger out of balance"
-        return {"microbatches_injected": self.injected, "microbatches_completed": self.completed,
-                "microbatches_abandoned": self.abandoned, "abandoned_reasons": dict(self.reasons),
-                "microbatches_in_flight": self.in_flight}
+        return {
+            "microbatches_injected": self.injected,
+            "microbatches_completed": self.completed,
+            "microbatches_abandoned": self.abandoned,
+            "abandoned_reasons": dict(self.reasons),
+            "microbatches_in_flight": self.in_flight,
+        }

@@ -15,8 +15,9 @@ class Daemon(Protocol):
     async def shutdown(self) -> None: ...
 
 
-def run_daemon(create: Callable[[], Awaitable[Daemon]], on_ready: Callable[[Daemon], Awaitable[None]] | None = None
-               ) -> int:
+def run_daemon(
+    create: Callable[[], Awaitable[Daemon]], on_ready: Callable[[Daemon], Awaitable[None]] | None = None
+) -> int:
     """Create the daemon, serve until SIGTERM/SIGINT, then shut it down; returns the exit status."""
     import uvloop
 

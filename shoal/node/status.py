@@ -1,6 +1,6 @@
 """`shoal status`: the swarm at a glance, as a table or as JSON.
 
-    shoal status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME] [--json]
+shoal status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... [--run NAME] [--json]
 """
 
 from __future__ import annotations
@@ -25,17 +25,33 @@ def summarize(run, view) -> dict[str, Any]:
     nodes = []
     for n in view.nodes:
         blocks = max(1, view.blocks_per_stage[n.stage])
-        nodes.append({
-            "peer_id": n.peer_id, "role": n.role, "stage": n.stage, "state": n.state,
-            "throughput": n.block_throughput / blocks, "block_throughput": n.block_throughput,
-            "max_inflight": n.max_inflight, "inner_step": n.inner_step, "outer_epoch": n.outer_epoch,
-            "loss": n.loss, "grad_norm": n.grad_norm, "age_s": max(0.0, now - n.updated_at),
-            "expires_in_s": max(0.0, n.expires_at - now), "maddrs": list(n.maddrs),
-        })
-    stages = [{"stage": s, "replicas": len(view.replicas(s)),
-               "throughput": view.stage_throughput(s) if s else None} for s in range(view.stages)]
-    return {"run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
-            "nodes": nodes, "stages": stages}
+        nodes.append(
+            {
+                "peer_id": n.peer_id,
+                "role": n.role,
+                "stage": n.stage,
+                "state": n.state,
+                "throughput": n.block_throughput / blocks,
+                "block_throughput": n.block_throughput,
+                "max_inflight": n.max_inflight,
+                "inner_step": n.inner_step,
+                "outer_epoch": n.outer_epoch,
+                "loss": n.loss,
+                "grad_norm": n.grad_norm,
+                "age_s": max(0.0, now - n.updated_at),
+                "expires_in_s": max(0.0, n.expires_at - now),
+                "maddrs": list(n.maddrs),
+            }
+        )
+    stages = [
+        {"stage": s, "replicas": len(view.replicas(s)), "throughput": view.stage_throughput(s) if s else None}
+        for s in range(view.stages)
+    ]
+    return {
+        "run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
+        "nodes": nodes,
+        "stages": stages,
+    }
 
 
 def print_table(doc: dict[str, Any]) -> None:
@@ -47,8 +63,16 @@ def print_table(doc: dict[str, Any]) -> None:
     for column in ("peer", "role", "stage", "mb/s", "state", "inner step", "loss", "age"):
         table.add_column(column, justify="right" if column not in ("peer", "role", "state") else "left")
     for n in doc["nodes"]:
-        table.add_row("…" + n["peer_id"][-10:], n["role"], str(n["stage"]), f"{n['throughput']:.1f}", n["state"],
-                      str(n["inner_step"]), "-" if n["loss"] is None else f"{n['loss']:.3f}", f"{n['age_s']:.0f}s")
+        table.add_row(
+            "…" + n["peer_id"][-10:],
+            n["role"],
+            str(n["stage"]),
+            f"{n['throughput']:.1f}",
+            n["state"],
+            str(n["inner_step"]),
+            "-" if n["loss"] is None else f"{n['loss']:.3f}",
+            f"{n['age_s']:.0f}s",
+        )
     console = Console()
     console.print(table)
     covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])

@@ -185,8 +185,9 @@ async def read_reply(stream: FramedStream, expected: type) -> Any:
     return reply
 
 
-async def call(p2p: P2P, peer: PeerID | str, rpc_name: str, request: object, expected: type,
-               timeout_s: float = 10.0) -> Any:
+async def call(
+    p2p: P2P, peer: PeerID | str, rpc_name: str, request: object, expected: type, timeout_s: float = 10.0
+) -> Any:
     """A unary call: one request message, one reply message."""
     stream = await open_call(p2p, peer, rpc_name, timeout_s)
     try:

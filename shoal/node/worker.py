@@ -91,8 +91,14 @@ class StageWorker(PipelineEngine):
         finally:
             self.reserved -= 1
         self.forwards += 1
-        onward = ForwardRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
-                                hop=request.hop + 1, route=request.route, needs_backward=request.needs_backward)
+        onward = ForwardRequest(
+            microbatch_id=request.microbatch_id,
+            origin=request.origin,
+            step=request.step,
+            hop=request.hop + 1,
+            route=request.route,
+            needs_backward=request.needs_backward,
+        )
         try:
             await push_forward(self, onward, y.detach())
         except HopFailed as e:
@@ -134,8 +140,13 @@ class StageWorker(PipelineEngine):
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
         grad_in = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
         self.backwards += 1
-        upstream = BackwardRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
-                                   hop=request.hop - 1, route=request.route)
+        upstream = BackwardRequest(
+            microbatch_id=request.microbatch_id,
+            origin=request.origin,
+            step=request.step,
+            hop=request.hop - 1,
+            route=request.route,
+        )
         target = request.origin if upstream.hop < 0 else request.route[upstream.hop].peer_id
         try:
             await self.send(target, "rpc_backward", upstream, grad_in)
@@ -147,9 +158,14 @@ class StageWorker(PipelineEngine):
     async def notify_abandon(self, origin: str, microbatch_id: str, reason: str) -> None:
         logger.warning("[%s] %s abandoned: %s", self.node.short_id, microbatch_id, reason)
         try:
-            await call(self.node.dht.p2p, origin, "rpc_abandon",
-                       AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200]), Ack,
-                       timeout_s=self.node.config.rpc_timeout_s)
+            await call(
+                self.node.dht.p2p,
+                origin,
+                "rpc_abandon",
+                AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200]),
+                Ack,
+                timeout_s=self.node.config.rpc_timeout_s,
+            )
         except Exception as e:
             logger.info("[%s] could not tell %s: %s", self.node.short_id, origin[-8:], e)
 
@@ -178,6 +194,10 @@ class StageWorker(PipelineEngine):
                 self.spawn(self.compute(self._maybe_step), "deferred step")
 
     def stats(self) -> dict:
-        return {"forwards": self.forwards, "backwards": self.backwards, "inner_steps": self.optimizer.step_count,
-                "in_flight": len(self.saved), "expired": self.expired}
-
+        return {
+            "forwards": self.forwards,
+            "backwards": self.backwards,
+            "inner_steps": self.optimizer.step_count,
+            "in_flight": len(self.saved),
+            "expired": self.expired,
+        }

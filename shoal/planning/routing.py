@@ -15,16 +15,18 @@ from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo, PeerID, StageIndex
 Route = tuple[tuple[StageIndex, PeerID], ...]
 
 
-def pick_replica(view: SwarmView, stage: StageIndex, load: Mapping[PeerID, int],
-                 exclude: Collection[PeerID] = ()) -> NodeInfo | None:
+def pick_replica(
+    view: SwarmView, stage: StageIndex, load: Mapping[PeerID, int], exclude: Collection[PeerID] = ()
+) -> NodeInfo | None:
     candidates = [n for n in view.replicas(stage) if n.state == STATE_ACTIVE and n.peer_id not in exclude]
     if not candidates:
         return None
     return min(candidates, key=lambda n: ((load.get(n.peer_id, 0) + 1) / max(n.block_throughput, 1e-9), n.peer_id))
 
 
-def choose_route(view: SwarmView, order: Sequence[StageIndex], load: Mapping[PeerID, int],
-                 exclude: Collection[PeerID] = ()) -> Route | None:
+def choose_route(
+    view: SwarmView, order: Sequence[StageIndex], load: Mapping[PeerID, int], exclude: Collection[PeerID] = ()
+) -> Route | None:
     """One replica per stage of `order` (the full pipeline is 1..S-1), or None if a stage has none."""
     route = []
     for stage in order:

@@ -63,5 +63,10 @@ class SwarmView:
 
     def without(self, peer_ids: Iterable[PeerID]) -> SwarmView:
         gone = set(peer_ids)
-        return SwarmView(self.run_id, self.stages, self.blocks_per_stage,
-                         tuple(n for n in self.nodes if n.peer_id not in gone), self.taken_at)
+        return SwarmView(
+            self.run_id,
+            self.stages,
+            self.blocks_per_stage,
+            tuple(n for n in self.nodes if n.peer_id not in gone),
+            self.taken_at,
+        )

@@ -34,9 +34,7 @@ def encode(msg: object, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     body = entry.schema.dump(msg, entry.cls.__name__)
     data = msgpack.packb({"v": PROTOCOL_VERSION, "t": entry.tag, "b": body}, use_bin_type=True)
     if len(data) > max_bytes:
-        raise MessageTooLarge(
-            f"{entry.cls.__name__} encodes to {len(data)} bytes, over the limit of {max_bytes}"
-        )
+        raise MessageTooLarge(f"{entry.cls.__name__} encodes to {len(data)} bytes, over the limit of {max_bytes}")
     return data
 
 
@@ -77,9 +75,7 @@ def decode(
     if type(version) is not int:
         raise MalformedMessage(f"protocol version must be an int, not {type(version).__name__}")
     if not is_compatible(version):
-        raise UnsupportedVersion(
-            f"peer speaks protocol version {version}; this node speaks {PROTOCOL_VERSION}"
-        )
+        raise UnsupportedVersion(f"peer speaks protocol version {version}; this node speaks {PROTOCOL_VERSION}")
     if envelope.keys() != _ENVELOPE_KEYS:
         keys = ", ".join(sorted(quote(key) for key in envelope)[:4])
         raise MalformedMessage(f"envelope must hold exactly the keys 'v', 't', 'b', not {keys}")

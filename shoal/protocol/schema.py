@@ -55,9 +55,7 @@ def wire_field(
     if max_len is not None and (type(max_len) is not int or max_len < 0):
         raise ValueError(f"max_len must be a non-negative int, not {max_len!r}")
     options = FieldOptions(max_len=max_len, allow_nonfinite=allow_nonfinite)
-    return dataclasses.field(
-        default=default, default_factory=default_factory, metadata={_OPTIONS_KEY: options}
-    )
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={_OPTIONS_KEY: options})
 
 
 def _fail(path: str, expected: str, value: object) -> NoReturn:
@@ -274,9 +272,7 @@ def struct_kind(cls: type) -> StructKind:
             options = field.metadata.get(_OPTIONS_KEY, FieldOptions())
             kind.fields[field.name] = _compile(hints[field.name], options, f"{cls.__name__}.{field.name}")
         kind.required = tuple(
-            f.name
-            for f in fields
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
     except BaseException:
         del _STRUCTS[cls]

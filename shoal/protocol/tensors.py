@@ -24,9 +24,7 @@ from .limits import CHUNK_BYTES, MAX_TENSOR_BYTES, MAX_TENSOR_DIM, MAX_TENSOR_RA
 from .registry import message
 from .schema import wire_field
 
-DTYPE_SIZES: Mapping[str, int] = MappingProxyType(
-    {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
-)
+DTYPE_SIZES: Mapping[str, int] = MappingProxyType({"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 Buffer = bytes | bytearray | memoryview
@@ -94,9 +92,7 @@ class TensorSpec:
         if len(meta.shape) != len(self.shape) or any(
             want is not None and want != got for want, got in zip(self.shape, meta.shape, strict=True)
         ):
-            raise BadTensor(
-                f"shape {_shape_text(meta.shape)} does not match the expected {_shape_text(self.shape)}"
-            )
+            raise BadTensor(f"shape {_shape_text(meta.shape)} does not match the expected {_shape_text(self.shape)}")
 
 
 @message("tensor")
@@ -144,13 +140,9 @@ class TensorAssembler:
     header has passed, and never exceeds ``max_bytes``.
     """
 
-    def __init__(
-        self, spec: TensorSpec, max_bytes: int = MAX_TENSOR_BYTES, chunk_bytes: int = CHUNK_BYTES
-    ) -> None:
+    def __init__(self, spec: TensorSpec, max_bytes: int = MAX_TENSOR_BYTES, chunk_bytes: int = CHUNK_BYTES) -> None:
         if not 0 <= max_bytes <= MAX_TENSOR_BYTES:
-            raise ValueError(
-                f"max_bytes must be in [0, MAX_TENSOR_BYTES={MAX_TENSOR_BYTES}], not {max_bytes}"
-            )
+            raise ValueError(f"max_bytes must be in [0, MAX_TENSOR_BYTES={MAX_TENSOR_BYTES}], not {max_bytes}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
         self.spec = spec

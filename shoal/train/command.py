@@ -1,6 +1,6 @@
 """`shoal train --local`: the single-process reference trainer, with a progress bar and a report.
 
-    shoal train --local --steps 150 --report out
+shoal train --local --steps 150 --report out
 """
 
 from __future__ import annotations
@@ -41,8 +41,12 @@ def resolve_run(args: argparse.Namespace) -> RunConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local", action="store_true", required=True,
-                        help="train in this one process (the reference; the swarm is `shoal demo`/`node`)")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        required=True,
+        help="train in this one process (the reference; the swarm is `shoal demo`/`node`)",
+    )
     add_run_arguments(parser)
     parser.add_argument("--report", default="report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -73,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     splits = load_token_splits(run_config.data, run_config.model.vocab_size)
     trainer = ReferenceTrainer(run_config, splits)
-    columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-               TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, disable=args.quiet, transient=False) as progress:
         task = progress.add_task("train", total=run_config.train.steps, loss=math.nan, tps=0.0)
         result = trainer.train(lambda r: progress.update(task, advance=1, loss=r.loss, tps=r.tokens_per_s))
@@ -93,15 +102,25 @@ def run(args: argparse.Namespace) -> int:
         "params": result.params,
         "train_wall_s": result.wall_s,
         "threads": torch.get_num_threads(),
-        "data": {"source": splits.source, "train_tokens": len(splits.train), "val_tokens": len(splits.val),
-                 "bytes_per_token": splits.bytes_per_token},
+        "data": {
+            "source": splits.source,
+            "train_tokens": len(splits.train),
+            "val_tokens": len(splits.val),
+            "bytes_per_token": splits.bytes_per_token,
+        },
         "losses": [r.loss for r in result.history],
     }
-    path = write_report(args.report, report,
-                        {"train": ([r.step for r in result.history], report["losses"])},
-                        f"shoal train --local ({run_config.name})")
-    print(f"steps {result.steps}  loss {result.initial_loss:.3f} -> {result.final_loss:.3f}  "
-          f"val {result.val_loss:.3f}  (unigram entropy {entropy:.3f})  "
-          f"{result.tokens_per_s:,.0f} tok/s  params {result.params:,}", file=sys.stderr)
+    path = write_report(
+        args.report,
+        report,
+        {"train": ([r.step for r in result.history], report["losses"])},
+        f"shoal train --local ({run_config.name})",
+    )
+    print(
+        f"steps {result.steps}  loss {result.initial_loss:.3f} -> {result.final_loss:.3f}  "
+        f"val {result.val_loss:.3f}  (unigram entropy {entropy:.3f})  "
+        f"{result.tokens_per_s:,.0f} tok/s  params {result.params:,}",
+        file=sys.stderr,
+    )
     print(path)
     return 0

@@ -29,8 +29,7 @@ def sample_text(n_words: int = 30000, seed: int = 0) -> str:
 def tiny_run(**overrides) -> RunConfig:
     data = {
         "name": "test-tiny",
-        "model": {"vocab_size": 300, "d_model": 32, "n_layers": 4, "n_heads": 4, "ffn_hidden": 64,
-                  "max_seq_len": 32},
+        "model": {"vocab_size": 300, "d_model": 32, "n_layers": 4, "n_heads": 4, "ffn_hidden": 64, "max_seq_len": 32},
         "pipeline": {"stages": 3},
         "train": {"steps": 20, "seq_len": 32, "batch_size": 8, "microbatch_size": 2, "eval_batches": 2},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
