@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from shoal.node.command import add_network_arguments
+from shoal.planning.swarm_view import SwarmView
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +20,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _stage_list(stages: list[int]) -> str:
+    words = [str(s) for s in stages]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def swarm_needs(view: SwarmView) -> dict[str, Any]:
+    """What the run still needs before it can train: a live replica of every stage.
+
+    Stage 0 is held by a data node, stages 1..S-1 by workers, so a run of S stages needs at least
+    S nodes. A node that announced `leaving` does not count; a joining one does (it is about to hold
+    its stage). Every stage without a live replica takes one more node: a node started with the
+    default role fills an empty stage first.
+    """
+    required = view.stages
+    missing = [s for s in range(view.stages) if not view.replicas(s)]
+    why = f"this run needs at least {required}: one data node and one worker per block stage"
+    if not missing:
+        message = "ready: every stage has a live replica"
+    else:
+        have = "has" if len(missing) == 1 else "have"
+        nodes = "node" if len(missing) == 1 else "nodes"
+        stage_word = "stage" if len(missing) == 1 else "stages"
+        message = (
+            f"{stage_word} {_stage_list(missing)} {have} no live replica: start {len(missing)} more {nodes} ({why})"
+        )
+    return {
+        "ready": not missing,
+        "nodes_required": required,
+        "live_nodes": len(view.live_nodes()),
+        "stages_without_replica": missing,
+        "nodes_to_start": len(missing),
+        "message": message,
+    }
+
+
 def summarize(run, view) -> dict[str, Any]:
-    """The status document: run, nodes and per-stage totals (plain data, also used by the demo)."""
+    """The status document: run, nodes, per-stage totals and what the run needs (plain data, also used by the demo)."""
     now = view.taken_at
     nodes = []
     for n in view.nodes:
@@ -51,12 +87,14 @@ def summarize(run, view) -> dict[str, Any]:
         "run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
         "nodes": nodes,
         "stages": stages,
+        "needs": swarm_needs(view),
     }
 
 
 def print_table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     run = doc["run"]
     table = Table(title=f"run {run['name']}@{run['run_id']}: {len(doc['nodes'])} nodes, {run['stages']} stages")
@@ -77,6 +115,8 @@ def print_table(doc: dict[str, Any]) -> None:
     console.print(table)
     covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])
     console.print(f"replicas per stage  {covered}")
+    needs = doc["needs"]
+    console.print(Text(needs["message"], style="bold green" if needs["ready"] else "bold yellow"))
 
 
 def run(args: argparse.Namespace) -> int:
