@@ -96,11 +96,11 @@ def test_stage_worker_refuses_bad_tensors_and_keeps_serving(swarm, run_file):
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     worker = swarm.start_node([entry], "--role", "worker")
 
-    async def send(header: TensorHeader, chunks: list[bytes], backward: bool = False) -> str:
+    async def send(header: TensorHeader, chunks: list[bytes], backward: bool = False, microbatch: str = "probe") -> str:
         client = await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
         try:
             route = (Hop(stage=worker.stage, peer_id=worker.peer_id),)
-            fields = dict(microbatch_id="probe", origin=client.peer_id, step=0, route=route)
+            fields = dict(microbatch_id=microbatch, origin=client.peer_id, step=0, route=route)
             request = BackwardRequest(hop=0, **fields) if backward else ForwardRequest(hop=0, **fields)
             stream = await open_call(client.p2p, worker.peer_id, "rpc_backward" if backward else "rpc_forward", 10)
             try:
@@ -125,6 +125,6 @@ def test_stage_worker_refuses_bad_tensors_and_keeps_serving(swarm, run_file):
     header = TensorHeader(meta=TensorMeta("float32", (b, t, d)), nbytes=len(raw), num_chunks=1)
     assert asyncio.run(send(header, [raw])) == "accepted"
     # a gradient for a microbatch the worker never saw is declined, not crashed on
-    assert asyncio.run(send(header, [raw], backward=True)).startswith("declined")
+    assert asyncio.run(send(header, [raw], backward=True, microbatch="never-seen")).startswith("declined")
     assert worker.process.poll() is None
     assert "Traceback" not in worker.log()

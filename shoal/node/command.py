@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
     parser.add_argument("--data", default=None, metavar="PATH", help="text file or folder (data nodes)")
     parser.add_argument("--role", default="auto", help="auto (default), data or worker")
+    parser.add_argument("--stage", type=int, default=None, help="hold this block stage (default: the swarm's choice)")
+    parser.add_argument(
+        "--inject-upstream-delay",
+        default=None,
+        metavar="STEP:SECONDS",
+        help="fault injection for tests: hold the gradients of STEP that long before passing them upstream",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
@@ -54,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatch-timeout",
         type=float,
         default=60.0,
-        help="seconds before a data node abandons a microbatch that has not come back",
+        help="seconds before a data node re-sends a microbatch that has not come back",
+    )
+    parser.add_argument(
+        "--stage-wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for a stage that has no live replica before abandoning its microbatches",
     )
     parser.add_argument("--data-shard", default="0/1", metavar="K/N", help="this data node's shard of the data")
     parser.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line here once active")
@@ -72,6 +85,18 @@ def _shard(text: str) -> tuple[int, int]:
     except ValueError:
         raise ConfigError("--data-shard", f"expected K/N, got {text!r}") from None
     return k, n
+
+
+def _delay(text: str | None) -> tuple[int, float] | None:
+    from shoal.config import ConfigError
+
+    if text is None:
+        return None
+    try:
+        step, seconds = text.split(":")
+        return int(step), float(seconds)
+    except ValueError:
+        raise ConfigError("--inject-upstream-delay", f"expected STEP:SECONDS, got {text!r}") from None
 
 
 def node_config(args: argparse.Namespace):
@@ -92,11 +117,14 @@ def node_config(args: argparse.Namespace):
         max_inflight=args.max_inflight,
         record_ttl_s=args.record_ttl,
         microbatch_timeout_s=args.microbatch_timeout,
+        stage_wait_s=args.stage_wait,
         data_shard=shard,
         data_shards=shards,
         ready_file=args.ready_file,
         progress_file=args.progress_file,
         stats_file=args.stats_file,
+        stage=args.stage,
+        inject_upstream_delay=_delay(args.inject_upstream_delay),
     )
 
 

@@ -19,21 +19,28 @@ class NodeConfig:
     run_config_path: str | None = None  # or from this file
     data_path: str | None = None  # overrides the run's data.path for this node
     role: str = "auto"
+    stage: int | None = None  # hold this block stage and never move (None: the swarm's choice)
     threads: int = 1
     max_inflight: int | None = None  # None: derived from free memory
     record_ttl_s: float = 30.0
     rpc_timeout_s: float = 30.0
     drain_timeout_s: float = 5.0
-    microbatch_timeout_s: float = 60.0  # a data node abandons a microbatch that has not come back by then
+    microbatch_timeout_s: float = 60.0  # a data node re-sends a microbatch that has not come back by then
+    stage_wait_s: float = 120.0  # how long to wait for a stage with no live replica before abandoning (stage_lost)
     data_shard: int = 0  # this data node's shard of the training windows, of `data_shards`
     data_shards: int = 1
     ready_file: str | None = None
     progress_file: str | None = None  # data nodes append one JSON line per step here
     stats_file: str | None = None  # written at shutdown: counters, traffic, memory
+    # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step
+    # before passing them upstream, so that a kill can land while a hop waits for its gradient
+    inject_upstream_delay: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.stage is not None and (self.stage < 1 or self.role == "data"):
+            raise ConfigError("--stage", "must be a block stage (1 or more), for a worker")
         if self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
         if self.max_inflight is not None and self.max_inflight < 1:
@@ -44,6 +51,8 @@ class NodeConfig:
             raise ConfigError("--data-shard", f"must be K/N with 0 <= K < N, got {self.data_shard}/{self.data_shards}")
         if self.microbatch_timeout_s <= 0:
             raise ConfigError("--microbatch-timeout", "must be positive")
+        if self.stage_wait_s < 0:
+            raise ConfigError("--stage-wait", "must be zero or more seconds")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
 

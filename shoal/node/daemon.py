@@ -28,7 +28,7 @@ from shoal.node.config import NodeConfig
 from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
 from shoal.node.pipeline_service import PipelineService
-from shoal.node.transport import serve, unserve
+from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
 from shoal.planning.assignment import Candidate, choose_stage
 from shoal.planning.swarm_view import (
@@ -39,12 +39,14 @@ from shoal.planning.swarm_view import (
     STATE_LEAVING,
     SwarmView,
 )
+from shoal.protocol.messages import Ping, Pong
 from shoal.protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
 RUN_LOOKUP_ATTEMPTS = 5
 SETTLE_ROUNDS = 3
+JOIN_PING_TIMEOUT_S = 3.0
 MEMORY_SAMPLE_S = 2.0
 MAX_MEMORY_SAMPLES = 4000
 
@@ -132,6 +134,18 @@ class Node:
     def role(self) -> str:
         return ROLE_DATA if self.stage == 0 else ROLE_WORKER
 
+    def choose_stage(self) -> int:
+        """The stage to hold now: the one given by --stage, else the swarm's choice."""
+        if self.config.stage is not None:
+            if self.config.stage >= self.run.pipeline.stages:
+                raise UsageError(
+                    f"--stage {self.config.stage}: run {self.run.name} has block stages "
+                    f"1..{self.run.pipeline.stages - 1}"
+                )
+            return self.config.stage
+        assert self.view is not None
+        return choose_stage(self.view, self.candidate())
+
     def candidate(self) -> Candidate:
         return Candidate(
             peer_id=self.peer_id,
@@ -179,13 +193,13 @@ class Node:
         for service in (HealthService(self), PipelineService(self)):
             self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s)
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
-        self.view = await self.dht.read_view(self.run)
-        self._set_stage(choose_stage(self.view, self.candidate()))
+        self.view = await self.answering_view()
+        self._set_stage(self.choose_stage())
         for _ in range(SETTLE_ROUNDS):
             await self.publish()
             await asyncio.sleep(min(1.0, self.config.heartbeat_s))
-            self.view = await self.dht.read_view(self.run)
-            chosen = choose_stage(self.view, self.candidate())
+            self.view = await self.answering_view()
+            chosen = self.choose_stage()
             if chosen == self.stage:
                 break
             self._set_stage(chosen)
@@ -198,6 +212,33 @@ class Node:
             self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
         self._write_ready_file()
         logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
+
+    async def answering_view(self) -> SwarmView:
+        """The swarm view without the peers that do not answer a ping. A killed peer's record lives on
+        until its TTL runs out; a joiner that believed it would skip the stage that peer left short."""
+        view = await self.dht.read_view(self.run)
+        others = [n.peer_id for n in view.nodes if n.peer_id != self.peer_id]
+        answers = await asyncio.gather(*(self._answers(peer) for peer in others))
+        silent = [peer for peer, ok in zip(others, answers, strict=True) if not ok]
+        if silent:
+            logger.info(
+                "[%s] %d listed peer(s) do not answer: %s", self.short_id, len(silent), [p[-8:] for p in silent]
+            )
+        return view.without(silent)
+
+    async def _answers(self, peer_id: str) -> bool:
+        try:
+            await call(
+                self.dht.p2p,
+                peer_id,
+                "rpc_ping",
+                Ping(sent_at=time.time(), nonce=0),
+                Pong,
+                timeout_s=JOIN_PING_TIMEOUT_S,
+            )
+            return True
+        except Exception:
+            return False
 
     async def _build_engine(self) -> None:
         if self.engine is not None:
@@ -251,11 +292,9 @@ class Node:
                 pass
             try:
                 self.view = await self.dht.read_view(self.run)
-                if isinstance(self.engine, StageWorker):
-                    self.engine.expire()
-                elif isinstance(self.engine, DataDriver):
-                    self.engine.reap_lost({n.peer_id for n in self.view.live_nodes()})
-                chosen = choose_stage(self.view, self.candidate())
+                if self.engine is not None:
+                    self.engine.on_view(self.view)
+                chosen = self.choose_stage()
                 if chosen != self.stage and self.can_move():
                     self._set_stage(chosen)
                     await self._build_engine()

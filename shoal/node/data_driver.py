@@ -19,11 +19,21 @@ import torch
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD
-from shoal.node.hops import HopFailed, PipelineEngine, push_forward
+from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
-from shoal.planning.routing import choose_route, full_pipeline
-from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, check_hop
+from shoal.planning.routing import Route, choose_route, full_pipeline
+from shoal.protocol.pipeline import (
+    AbandonNotice,
+    Ack,
+    BackwardRequest,
+    ForwardRequest,
+    Hop,
+    OutputRequest,
+    RecoverRequest,
+    StepClose,
+    check_hop,
+)
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
 
@@ -32,13 +42,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
+    """One attempt at one microbatch. An attempt lost before its activation came home is replaced by a
+    new one (a new wire id, the same embedding); after that, lost hops are redone in place."""
+
+    base_id: str  # the microbatch, as the ledger knows it
     embedded: torch.Tensor  # (B, T, C) with its graph back to the embedding
     targets: torch.Tensor  # (B, T)
     loss_scale: float
-    done: asyncio.Future
+    done: asyncio.Future  # resolves to an Outcome
     loss: float | None = None
     route_peers: tuple[str, ...] = ()
+    home: bool = False  # the activation came home: backward is under way
+    backward: BackwardRequest | None = None  # what we sent the last hop, kept until the microbatch is over
+    grad: torch.Tensor | None = None
+    recovered: set[str] = field(default_factory=set)  # lost peers whose hop we already had redone
+    embedding_grad: bool = False  # the gradient reached the embedding
     injected_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "completed", "resend" or "abandoned"
+    reason: str = ""
+
+
+COMPLETED = Outcome("completed")
+MAX_ATTEMPTS = 8
+WAIT_REPORT_S = 10.0
+STEP_CLOSE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -66,6 +97,9 @@ class DataDriver(PipelineEngine):
         self.sampler: BatchSampler | None = None
         self.finished = asyncio.Event()
         self.summary: dict = {}
+        self.step_peers: set[str] = set()  # workers that served the current step: they get its StepClose
+        self.waiting_for: list[int] = []  # block stages with no live replica while we wait for one
+        self._last_wait_report = 0.0
 
     @property
     def busy(self) -> bool:
@@ -148,6 +182,7 @@ class DataDriver(PipelineEngine):
         inputs, targets = self.sampler.batch(step)
         n_micro = self.run.microbatches_per_step
         slots = asyncio.Semaphore(self.node.max_inflight)
+        self.step_peers = set()
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
             asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots))
@@ -155,6 +190,7 @@ class DataDriver(PipelineEngine):
         ]
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         stats = await self.compute(self.optimizer.step)
+        await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
         tokens_per_microbatch = inputs.numel() // n_micro
         return StepResult(
@@ -165,6 +201,21 @@ class DataDriver(PipelineEngine):
             extra={"lr": stats.lr},
         )
 
+    async def close_step(self, step: int, completed: int, abandoned: int) -> None:
+        """Tell every worker that served this step that it is over, and wait for their answers, so
+        that no microbatch of the next step reaches a worker before it has stepped."""
+        close = StepClose(step=step, completed=completed, abandoned=abandoned)
+        live = {n.peer_id for n in self.node.view.live_nodes()} if self.node.view is not None else set()
+        peers = sorted(p for p in self.step_peers if p in live or not live)
+
+        async def tell(peer: str) -> None:
+            try:
+                await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=STEP_CLOSE_TIMEOUT_S)
+            except Exception as e:
+                logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)
+
+        await asyncio.gather(*(tell(peer) for peer in peers))
+
     @torch.no_grad()
     def _embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head.embed(tokens)
@@ -172,6 +223,28 @@ class DataDriver(PipelineEngine):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             return self.head.embed(tokens)
+
+    async def _route(self) -> Route | None:
+        """A route through one live replica of every block stage. While some stage has none, wait
+        for one (bounded by the node's stage wait, said in the log and the progress file); None if
+        it never came."""
+        deadline = time.monotonic() + self.node.config.stage_wait_s
+        while True:
+            view = self.node.view
+            route = choose_route(view, full_pipeline(view), self.load, self.banned()) if view else None
+            if route is None and view is not None:  # a ban is a preference, not a verdict
+                route = choose_route(view, full_pipeline(view), self.load)
+            if route is not None:
+                return route
+            if time.monotonic() >= deadline:
+                return None
+            if view is not None and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
+                missing = [s for s in full_pipeline(view) if not view.replicas(s)]
+                self.waiting_for = missing
+                logger.warning("[%s] waiting for a live replica of stage(s) %s", self.node.short_id, missing)
+                self._progress({"event": "waiting", "stages": missing, "ledger": self.ledger.summary()})
+                self._last_wait_report = time.monotonic()
+            await asyncio.sleep(STAGE_POLL_S)
 
     async def _microbatch(
         self,
@@ -183,52 +256,90 @@ class DataDriver(PipelineEngine):
         slots: asyncio.Semaphore,
         train: bool = True,
     ) -> float | None:
-        """Inject one microbatch and wait for its fate; returns its loss if it completed."""
-        microbatch_id = f"{self.node.short_id}-{tag}" if train else f"{self.node.short_id}-eval-{tag}"
-        async with slots:
-            self.ledger.inject(microbatch_id)
-            view = self.node.view
-            route = choose_route(view, full_pipeline(view), self.load, self.banned()) if view else None
-            if route is None:
-                self.ledger.abandon(microbatch_id, "no live replica for some stage")
-                return None
-            embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
-            done = asyncio.get_running_loop().create_future()
-            entry = InFlight(embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
-            self.in_flight[microbatch_id] = entry
-            self.load.update(entry.route_peers)
-            request = ForwardRequest(
-                microbatch_id=microbatch_id,
-                origin=self.node.peer_id,
-                step=step,
-                hop=0,
-                route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
-                needs_backward=train,
-            )
-            try:
-                await push_forward(self, request, embedded.detach())
-                await asyncio.wait_for(asyncio.shield(done), self.node.config.microbatch_timeout_s)
-            except HopFailed as e:
-                self.ledger.abandon(microbatch_id, f"forward into stage {route[0][0]}: {e}")
-            except TimeoutError:
-                self.ledger.abandon(microbatch_id, f"timed out after {self.node.config.microbatch_timeout_s:.0f} s")
-            finally:
-                self.in_flight.pop(microbatch_id, None)
-                self.load.subtract(entry.route_peers)
-            return entry.loss if done.done() and not done.result() else None
+        """Inject one microbatch and see it to its end; returns its loss if it completed.
 
-    def _finish(self, microbatch_id: str, reason: str | None) -> None:
-        """End a microbatch: reason None means completed."""
-        entry = self.in_flight.get(microbatch_id)
-        ended = self.ledger.complete(microbatch_id) if reason is None else self.ledger.abandon(microbatch_id, reason)
-        if ended and entry is not None and not entry.done.done():
-            entry.done.set_result(reason)
-        if ended and reason is not None and entry is not None:
-            self.spawn(self._release_route(microbatch_id, entry.route_peers, reason), f"release {microbatch_id}")
+        A forward pass lost before coming home is sent again (a new attempt); a hop lost in backward
+        is redone by the hops themselves. It is abandoned only when a stage has had no live replica
+        for the whole stage wait (`stage_lost`), or after MAX_ATTEMPTS forward passes."""
+        base_id = f"{self.node.short_id}-{tag}" if train else f"{self.node.short_id}-eval-{tag}"
+        async with slots:
+            self.ledger.inject(base_id)
+            embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
+            last_reason = ""
+            for attempt in range(MAX_ATTEMPTS):
+                route = await self._route()
+                if route is None:
+                    missing = [s for s in full_pipeline(self.node.view) if not self.node.view.replicas(s)]
+                    self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
+                    return None
+                self.waiting_for = []
+                outcome, entry = await self._attempt(
+                    base_id, attempt, step, embedded, targets, loss_scale, route, train
+                )
+                if outcome.kind == "completed":
+                    self.ledger.complete(base_id)
+                    return entry.loss
+                if outcome.kind == "abandoned":
+                    self.ledger.abandon(base_id, outcome.reason)
+                    return None
+                last_reason = outcome.reason
+                self.ledger.resend(time.monotonic() - entry.injected_at)
+                logger.info("[%s] %s sent again: %s", self.node.short_id, base_id, outcome.reason[:120])
+            self.ledger.abandon(base_id, f"attempts: {MAX_ATTEMPTS} forward passes lost, last: {last_reason}"[:200])
+            return None
+
+    async def _attempt(
+        self,
+        base_id: str,
+        attempt: int,
+        step: int,
+        embedded: torch.Tensor,
+        targets: torch.Tensor,
+        loss_scale: float,
+        route: Route,
+        train: bool,
+    ) -> tuple[Outcome, InFlight]:
+        wire_id = f"{base_id}#{attempt}"
+        done = asyncio.get_running_loop().create_future()
+        entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
+        self.in_flight[wire_id] = entry
+        self.load.update(entry.route_peers)
+        if train:
+            self.step_peers.update(entry.route_peers)
+        request = ForwardRequest(
+            microbatch_id=wire_id,
+            origin=self.node.peer_id,
+            step=step,
+            hop=0,
+            route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
+            needs_backward=train,
+        )
+        timeout_s = self.node.config.microbatch_timeout_s
+        try:
+            await push_forward(self, request, embedded.detach())
+            outcome = await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except HopFailed as e:
+            stage_lost = "stage_lost" in str(e)
+            outcome = Outcome("abandoned" if stage_lost else "resend", f"forward into stage {route[0][0]}: {e}")
+        except TimeoutError:
+            kind = "abandoned" if entry.home else "resend"
+            where = "in backward" if entry.home else "before coming home"
+            outcome = Outcome(kind, f"timeout: no answer {where} after {timeout_s:.0f} s")
+        finally:
+            self.in_flight.pop(wire_id, None)
+            self.load.subtract(entry.route_peers)
+        if outcome.kind != "completed":
+            self.spawn(self._release_route(wire_id, entry.route_peers, outcome.reason), f"release {wire_id}")
+        return outcome, entry
+
+    def _end(self, wire_id: str, outcome: Outcome) -> None:
+        entry = self.in_flight.get(wire_id)
+        if entry is not None and not entry.done.done():
+            entry.done.set_result(outcome)
 
     async def _release_route(self, microbatch_id: str, peers: tuple[str, ...], reason: str) -> None:
-        """Tell the hops of an abandoned microbatch to drop what they keep for it (their next
-        optimizer step waits for such graphs), instead of holding it until it expires."""
+        """Tell the hops of a lost attempt to drop what they keep for it (their next optimizer step
+        waits for such graphs), instead of holding it until it expires."""
         notice = AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200])
         for peer in set(peers) - self.banned():
             try:
@@ -244,14 +355,21 @@ class DataDriver(PipelineEngine):
         entry = self.in_flight.get(request.microbatch_id)
         if request.hop != len(request.route) or request.origin != self.node.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
-        if entry is None or not self.ledger.is_open(request.microbatch_id):
+        if entry is None:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
+        if entry.home:
+            return Ack(accepted=True)  # a retried stream: we already have it
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
             return Ack(accepted=False, reason=f"activation shape {tuple(x.shape)} does not match the microbatch")
-        entry.route_peers = tuple(hop.peer_id for hop in request.route)  # as delivered, after any re-routing
-        logger.debug("%s home after %.1f ms", request.microbatch_id, 1e3 * (time.monotonic() - entry.injected_at))
+        entry.home = True
+        self._note_route(entry, request.route)  # as delivered, after any re-routing
         self.spawn(self._loss_and_backward(request, entry, x), f"loss {request.microbatch_id}")
         return Ack(accepted=True)
+
+    def _note_route(self, entry: InFlight, route: tuple[Hop, ...]) -> None:
+        entry.route_peers = tuple(hop.peer_id for hop in route)
+        if entry.backward is not None or entry.home:
+            self.step_peers.update(entry.route_peers)
 
     def _loss_and_grad(self, entry: InFlight, x: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
         if not train:
@@ -266,17 +384,29 @@ class DataDriver(PipelineEngine):
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
         entry.loss, grad = await self.compute(self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD)
         if grad is None:
-            self._finish(request.microbatch_id, None)
+            self._end(request.microbatch_id, COMPLETED)
             return
         last = len(request.route) - 1
-        backward = BackwardRequest(
+        entry.backward = BackwardRequest(
             microbatch_id=request.microbatch_id, origin=request.origin, step=request.step, hop=last, route=request.route
         )
+        entry.grad = grad
+        target = request.route[last].peer_id
         try:
-            await self.send(request.route[last].peer_id, "rpc_backward", backward, grad)
+            await self.send(target, "rpc_backward", entry.backward, grad)
         except HopFailed as e:
-            self.ban(request.route[last].peer_id)
-            self._finish(request.microbatch_id, f"backward into stage {request.route[last].stage}: {e}")
+            self.ban(target)
+            entry.recovered.add(target)
+            await self._redo_hop(request.microbatch_id, entry, target, str(e))
+
+    async def _redo_hop(self, wire_id: str, entry: InFlight, lost_peer: str, why: str) -> None:
+        """The last hop is gone with its graph: another replica of its stage redoes it."""
+        assert entry.backward is not None and entry.grad is not None
+        try:
+            await self.delegate_recompute(entry.backward, entry.backward.hop, entry.grad, lost_peer, why)
+            self.ledger.recoveries += 1
+        except HopFailed as e:
+            self._end(wire_id, Outcome("abandoned", f"backward into stage {entry.backward.route[-1].stage}: {e}"))
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
         check_hop(request)
@@ -285,27 +415,67 @@ class DataDriver(PipelineEngine):
         grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
         if request.hop != -1 or request.origin != self.node.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
-        if entry is None or not self.ledger.is_open(request.microbatch_id):
+        if entry is None or not entry.home:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
+        if entry.done.done() or entry.embedding_grad:
+            return Ack(accepted=True)  # a retried stream
+        entry.embedding_grad = True
+        self._note_route(entry, request.route)  # with any hop redone by a replacement
         self.spawn(self._embedding_backward(request.microbatch_id, entry, grad), f"embed-bwd {request.microbatch_id}")
         return Ack(accepted=True)
 
     async def _embedding_backward(self, microbatch_id: str, entry: InFlight, grad: torch.Tensor) -> None:
         await self.compute(entry.embedded.backward, grad, priority=BACKWARD)
-        logger.debug("%s done after %.1f ms", microbatch_id, 1e3 * (time.monotonic() - entry.injected_at))
-        self._finish(microbatch_id, None)
+        self._end(microbatch_id, COMPLETED)
+
+    async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
+        """A replica redoing the first hop asks for its input again: the embedding we sent."""
+        entry = self.in_flight.get(request.microbatch_id)
+        if entry is None or request.hop != -1 or not self._holds_block_stage(sender):
+            await self.serve_output(None, "no output kept for that microbatch and hop", stream)
+            return
+        await self.serve_output(entry.embedded.detach(), "", stream)
+
+    def on_view(self, view) -> None:
+        """A fresh view of the swarm (each heartbeat): act on microbatches that lost a peer."""
+        self.reap_lost({n.peer_id for n in view.live_nodes()})
 
     def reap_lost(self, live_peers: set[str]) -> int:
-        """Abandon in-flight microbatches routed through a peer that left the swarm (its record
-        expired or says `leaving`): their activations are gone with it, so waiting is pointless."""
-        lost = [
-            (mb, next(p for p in entry.route_peers if p not in live_peers))
-            for mb, entry in self.in_flight.items()
-            if not set(entry.route_peers) <= live_peers
-        ]
-        for microbatch_id, peer in lost:
-            self._finish(microbatch_id, f"peer {peer[-8:]} left the swarm")
-        return len(lost)
+        """Act on in-flight microbatches routed through a peer that left the swarm (its record expired
+        or says `leaving`): before coming home, send the forward pass again; in backward, have the
+        hop after the lost one pass its kept gradient to another replica of the lost stage."""
+        count = 0
+        for wire_id, entry in list(self.in_flight.items()):
+            lost = [p for p in entry.route_peers if p not in live_peers]
+            if not lost:
+                continue
+            count += 1
+            if not entry.home:
+                self._end(wire_id, Outcome("resend", f"peer {lost[0][-8:]} left the swarm"))
+                continue
+            for peer in lost:
+                if peer not in entry.recovered:
+                    entry.recovered.add(peer)
+                    self.spawn(self._recover(wire_id, entry, peer), f"recover {wire_id}")
+        return count
+
+    async def _recover(self, wire_id: str, entry: InFlight, lost_peer: str) -> None:
+        assert entry.backward is not None
+        route = entry.backward.route
+        where = [i for i, hop in enumerate(route) if hop.peer_id == lost_peer]
+        if not where:
+            return
+        if where[-1] == len(route) - 1:
+            await self._redo_hop(wire_id, entry, lost_peer, "it left the swarm")
+            return
+        downstream = route[where[-1] + 1].peer_id
+        notice = RecoverRequest(microbatch_id=wire_id, lost_peer=lost_peer)
+        try:
+            ack = await call(self.node.dht.p2p, downstream, "rpc_recover", notice, Ack, timeout_s=5.0)
+            if ack.accepted:
+                self.ledger.recoveries += 1
+        except Exception as e:
+            logger.info("[%s] recover %s via %s: %s", self.node.short_id, wire_id, downstream[-8:], e)
 
     def _holds_block_stage(self, peer_id: str) -> bool:
         """A live stage worker of this run (a hop may have been re-routed to it on the way)."""
@@ -314,11 +484,12 @@ class DataDriver(PipelineEngine):
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
         entry = self.in_flight.get(notice.microbatch_id)
-        if entry is None or not self.ledger.is_open(notice.microbatch_id):
+        if entry is None or entry.done.done():
             return Ack(accepted=False, reason="unknown microbatch")
         if sender not in entry.route_peers and not self._holds_block_stage(sender):
             return Ack(accepted=False, reason="only a hop of that microbatch may abandon it")
-        self._finish(notice.microbatch_id, notice.reason)
+        lost_for_good = entry.home or "stage_lost" in notice.reason
+        self._end(notice.microbatch_id, Outcome("abandoned" if lost_for_good else "resend", notice.reason))
         return Ack(accepted=True)
 
     # ---- evaluation ----------------------------------------------------------------------------

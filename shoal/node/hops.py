@@ -19,7 +19,7 @@ from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
 from shoal.planning.routing import pick_replica
 from shoal.protocol.errors import BadTensor
-from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
+from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:
@@ -29,10 +29,20 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FAILED_PEER_BAN_S = 15.0  # like Petals: skip a peer that just failed us, then give it another chance
+SEND_RETRIES = 2  # a failed stream is retried on the same peer this many times before it counts
+RETRY_BACKOFF_S = 0.25
+STAGE_POLL_S = 0.5
 
 
 class HopFailed(Exception):
-    """The receiver did not take the work: unreachable, timed out, refused, or answered an error."""
+    """The receiver did not take the work: unreachable, timed out, refused, or answered an error.
+
+    `refused` is True when the receiver answered (an error reply or a declined Ack): it is alive and
+    said no. Otherwise the stream itself failed, which may be transient."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -54,6 +64,8 @@ class PipelineEngine:
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.stream_retries = 0
+        self.recomputes_delegated = 0
         m, t = self.run.model, self.run.train
         self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model))
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
@@ -96,9 +108,25 @@ class PipelineEngine:
         return x
 
     async def send(
-        self, peer_id: str, rpc: str, request: ForwardRequest | BackwardRequest, tensor: torch.Tensor
+        self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor, retries: int = SEND_RETRIES
     ) -> None:
-        """Send one request and its tensor; returns when the receiver acknowledged taking it."""
+        """Send one request and its tensor; returns when the receiver acknowledged taking it.
+
+        A stream that fails before the receiver answered is retried on the same peer (receivers
+        treat a repeated microbatch as taken), so one broken stream between live peers costs a retry,
+        never a replica. A peer that answers "no" is not retried here."""
+        for attempt in range(retries + 1):
+            try:
+                await self._send_once(peer_id, rpc, request, tensor)
+                return
+            except HopFailed as e:
+                if e.refused or attempt == retries:
+                    raise
+                self.stream_retries += 1
+                logger.info("[%s] %s to %s: %s; retrying", self.node.short_id, rpc, peer_id[-8:], e)
+                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+
+    async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
         timeout_s = self.node.config.rpc_timeout_s
         try:
             stream = await open_call(self.node.dht.p2p, peer_id, rpc, timeout_s)
@@ -109,15 +137,112 @@ class PipelineEngine:
             sent = await stream.write_tensor(tensor, self.wire_dtype)
             ack = await read_reply(stream, Ack)
         except RemoteError as e:
-            raise HopFailed(f"{peer_id[-8:]} refused: {e}") from None
+            raise HopFailed(f"{peer_id[-8:]} refused: {e}", refused=True) from None
         except Exception as e:
             raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
         finally:
             stream.close()
         if not ack.accepted:
-            raise HopFailed(f"{peer_id[-8:]} declined: {ack.reason}")
+            raise HopFailed(f"{peer_id[-8:]} declined: {ack.reason}", refused=True)
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
+
+    async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
+        """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
+        timeout_s = self.node.config.rpc_timeout_s
+        try:
+            stream = await open_call(self.node.dht.p2p, peer_id, "rpc_fetch_output", timeout_s)
+        except Exception as e:
+            raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
+        try:
+            await stream.write_message(OutputRequest(microbatch_id=microbatch_id, hop=hop))
+            ack = await read_reply(stream, Ack)
+            if not ack.accepted:
+                raise HopFailed(f"{peer_id[-8:]} has no output for it: {ack.reason}", refused=True)
+            return await self.read_activation(stream)
+        except RemoteError as e:
+            raise HopFailed(f"{peer_id[-8:]} refused: {e}", refused=True) from None
+        except HopFailed:
+            raise
+        except Exception as e:
+            raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
+        finally:
+            stream.close()
+
+    async def serve_output(self, tensor: torch.Tensor | None, reason: str, stream: FramedStream) -> None:
+        """Answer an OutputRequest: an Ack, then the tensor if we have it."""
+        if tensor is None:
+            await stream.write_message(Ack(accepted=False, reason=reason))
+            return
+        await stream.write_message(Ack(accepted=True))
+        self.traffic.bytes_sent += await stream.write_tensor(tensor, self.wire_dtype)
+        self.traffic.tensors_sent += 1
+
+    def replacement(self, stage: int, exclude: set[str]) -> str | None:
+        """Another live replica of `stage` to take over a hop, or None if the view has none."""
+        view = self.node.view
+        if view is None:
+            return None
+        replica = pick_replica(view, stage, {}, exclude=self.banned() | exclude)
+        return None if replica is None else replica.peer_id
+
+    async def wait_for_replacement(self, stage: int, exclude: set[str]) -> str | None:
+        """A live replica of `stage` outside `exclude`, waiting (bounded by the node's stage wait) while
+        the view has none: a stage briefly without a replica is waited for, not given up on. Peers
+        excluded or banned are tried again once nothing else is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.node.config.stage_wait_s
+        while True:
+            peer = self.replacement(stage, exclude)
+            if peer is not None:
+                return peer
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(STAGE_POLL_S)
+            exclude = {p for p in exclude if self._still_listed(p, stage) is False}
+
+    def _still_listed(self, peer_id: str, stage: int) -> bool:
+        view = self.node.view
+        return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
+
+    async def delegate_recompute(
+        self, request: BackwardRequest | RecomputeRequest, hop: int, grad: torch.Tensor, failed: str, why: str
+    ) -> None:
+        """Hop `hop` of this microbatch is gone with its graph (its peer `failed` did not take our
+        gradient): have another replica of its stage redo only that hop, from the input the hop
+        before it kept and the gradient we hold. Raises HopFailed if no replica of the stage is left."""
+        stage = request.route[hop].stage
+        tried = {failed}
+        while True:
+            peer = await self.wait_for_replacement(stage, tried)
+            if peer is None:
+                raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200])
+            route = list(request.route)
+            route[hop] = Hop(stage=stage, peer_id=peer)
+            redo = RecomputeRequest(
+                microbatch_id=request.microbatch_id,
+                origin=request.origin,
+                step=request.step,
+                hop=hop,
+                route=tuple(route),
+            )
+            try:
+                await self.send(peer, "rpc_recompute", redo, grad)
+                self.recomputes_delegated += 1
+                logger.info(
+                    "[%s] %s: hop %d (stage %d) redone by %s after: %s",
+                    self.node.short_id,
+                    request.microbatch_id,
+                    hop,
+                    stage,
+                    peer[-8:],
+                    why[:80],
+                )
+                return
+            except HopFailed as e:
+                self.ban(peer)
+                tried.add(peer)
+                why = str(e)
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -126,15 +251,15 @@ class PipelineEngine:
         self.compute_thread.shutdown()
 
 
-async def push_forward(
-    engine: PipelineEngine, request: ForwardRequest, tensor: torch.Tensor, attempts: int = 3
-) -> ForwardRequest:
+async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: torch.Tensor) -> ForwardRequest:
     """Deliver an activation to hop `request.hop`, re-routing that hop to another live replica of
     the same stage if its peer fails (the sender still holds the tensor, so only this hop is redone).
+    While the stage has no other replica it waits for one (bounded by the node's stage wait).
     Returns the request as delivered (its route may have changed); raises HopFailed if nobody took it.
     """
-    failures = []
-    for _ in range(attempts):
+    failures: list[str] = []
+    tried: set[str] = set()
+    while True:
         home = request.hop == len(request.route)
         target = request.origin if home else request.route[request.hop].peer_id
         try:
@@ -143,21 +268,18 @@ async def push_forward(
         except HopFailed as e:
             failures.append(str(e))
             engine.ban(target)
-            if home or engine.node.view is None:
+            tried.add(target)
+            if home:
                 break
             stage = request.route[request.hop].stage
-            replica = pick_replica(engine.node.view, stage, {}, exclude=engine.banned() | {target})
+            replica = await engine.wait_for_replacement(stage, tried)
             if replica is None:
-                failures.append(f"no other live replica of stage {stage}")
+                failures.append(f"stage_lost: no live replica of stage {stage}")
                 break
             route = list(request.route)
-            route[request.hop] = Hop(stage=stage, peer_id=replica.peer_id)
+            route[request.hop] = Hop(stage=stage, peer_id=replica)
             logger.info(
-                "[%s] re-routing %s: stage %d -> %s",
-                engine.node.short_id,
-                request.microbatch_id,
-                stage,
-                replica.peer_id[-8:],
+                "[%s] re-routing %s: stage %d -> %s", engine.node.short_id, request.microbatch_id, stage, replica[-8:]
             )
             request = ForwardRequest(
                 microbatch_id=request.microbatch_id,
@@ -167,4 +289,4 @@ async def push_forward(
                 route=tuple(route),
                 needs_backward=request.needs_backward,
             )
-    raise HopFailed("; ".join(failures)[:200])
+    raise HopFailed("; ".join(failures[-3:])[:200])

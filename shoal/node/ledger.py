@@ -16,6 +16,9 @@ class MicrobatchLedger:
     completed: int = 0
     abandoned: int = 0
     reasons: Counter = field(default_factory=Counter)
+    resent: int = 0  # forward passes sent again after a hop was lost before the activation came home
+    recoveries: int = 0  # lost backward hops this data node had redone (the hops report their own)
+    wasted_s: float = 0.0  # in-flight seconds of the forward passes that had to be sent again
     _open: set[str] = field(default_factory=set)
 
     def inject(self, microbatch_id: str) -> None:
@@ -43,6 +46,10 @@ class MicrobatchLedger:
         self.reasons[reason] += 1
         return True
 
+    def resend(self, wasted_s: float) -> None:
+        self.resent += 1
+        self.wasted_s += wasted_s
+
     @property
     def in_flight(self) -> int:
         return len(self._open)
@@ -55,4 +62,7 @@ class MicrobatchLedger:
             "microbatches_abandoned": self.abandoned,
             "abandoned_reasons": dict(self.reasons),
             "microbatches_in_flight": self.in_flight,
+            "microbatches_resent": self.resent,
+            "backward_recoveries": self.recoveries,
+            "resend_wasted_s": round(self.wasted_s, 3),
         }

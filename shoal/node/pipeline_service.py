@@ -1,4 +1,8 @@
-"""The pipeline RPCs every node serves, handed to whatever this node runs now (worker or data)."""
+"""The pipeline RPCs every node serves, handed to whatever this node runs now (worker or data).
+
+An engine answers the requests it has a handler for (`on_<name>`); the rest are refused as "not
+served here", so the service never needs to know which kind of engine it talks to.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,16 @@ from typing import TYPE_CHECKING
 from hivemind.p2p import PeerID
 
 from shoal.node.transport import FramedStream
-from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest
+from shoal.protocol.pipeline import (
+    AbandonNotice,
+    Ack,
+    BackwardRequest,
+    ForwardRequest,
+    OutputRequest,
+    RecomputeRequest,
+    RecoverRequest,
+    StepClose,
+)
 
 if TYPE_CHECKING:
     from shoal.node.daemon import Node
@@ -17,20 +30,44 @@ class PipelineService:
     def __init__(self, node: Node):
         self.node = node
 
+    def _handler(self, name: str):
+        return getattr(self.node.engine, name, None)
+
     async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        engine = self.node.engine
-        if engine is None:
-            return Ack(accepted=False, reason="not ready")
-        return await engine.on_forward(request, stream)
+        handler = self._handler("on_forward")
+        return Ack(accepted=False, reason="not ready") if handler is None else await handler(request, stream)
 
     async def rpc_backward(self, request: BackwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        engine = self.node.engine
-        if engine is None:
+        handler = self._handler("on_backward")
+        return Ack(accepted=False, reason="not ready") if handler is None else await handler(request, stream)
+
+    async def rpc_recompute(self, request: RecomputeRequest, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("on_recompute")
+        if handler is None:
+            return Ack(accepted=False, reason="this node redoes no block stage")
+        return await handler(request, stream)
+
+    async def rpc_fetch_output(self, request: OutputRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
+        handler = self._handler("on_fetch_output")
+        if handler is None:
             return Ack(accepted=False, reason="not ready")
-        return await engine.on_backward(request, stream)
+        await handler(request, stream, peer.to_base58())
+        return None
 
     async def rpc_abandon(self, notice: AbandonNotice, stream: FramedStream, peer: PeerID) -> Ack:
-        on_abandon = getattr(self.node.engine, "on_abandon", None)
-        if on_abandon is None:
-            return Ack(accepted=False, reason="not ready")
-        return await on_abandon(notice, peer.to_base58())
+        handler = self._handler("on_abandon")
+        return Ack(accepted=False, reason="not ready") if handler is None else await handler(notice, peer.to_base58())
+
+    async def rpc_recover(self, request: RecoverRequest, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("on_recover")
+        return (
+            Ack(accepted=False, reason="not served here")
+            if handler is None
+            else await handler(request, peer.to_base58())
+        )
+
+    async def rpc_step_close(self, close: StepClose, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("on_step_close")
+        return (
+            Ack(accepted=False, reason="not served here") if handler is None else await handler(close, peer.to_base58())
+        )

@@ -1,13 +1,19 @@
-"""A stage worker: forward and backward for its block stage, and its inner optimizer.
+"""A stage worker: forward and backward for its block stage, its inner optimizer, and the redo of a
+lost hop.
 
 Forward keeps the input and output of every microbatch until its gradient comes back, bounded by
 the node's advertised in-flight memory; past it, a sender is told "busy" and picks another
-replica. Backward accumulates parameter gradients; the optimizer steps after the run's
-microbatches-per-step have accumulated. Nothing waits on any global barrier.
+replica. Backward accumulates parameter gradients and keeps the gradient it sent upstream until
+the microbatch is over, so that if the upstream hop dies holding its graph, another replica of that
+stage can redo just that hop (`RecomputeRequest`). The inner optimizer steps when the data nodes
+this worker served say their step is closed (`StepClose`), never by counting microbatches.
+Everything a request names is keyed by microbatch id, and a repeated request is taken as done:
+a sender that retries a broken stream never makes a hop run twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +24,17 @@ from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.transport import FramedStream, call
-from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, check_hop
+from shoal.protocol.pipeline import (
+    AbandonNotice,
+    Ack,
+    BackwardRequest,
+    ForwardRequest,
+    OutputRequest,
+    RecomputeRequest,
+    RecoverRequest,
+    StepClose,
+    check_hop,
+)
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
 
@@ -31,6 +47,16 @@ class Saved:
     y: torch.Tensor  # the output, with its graph
     expires_at: float
     origin: str  # the data node that owns the microbatch (the only peer that may release it)
+    hop: int  # this node's position in the microbatch's route
+
+
+@dataclass
+class SentGradient:
+    """A gradient this node passed upstream, kept until the microbatch is over (see RecoverRequest)."""
+
+    request: BackwardRequest  # what was sent, its route as sent
+    grad: torch.Tensor
+    expires_at: float
 
 
 class StageWorker(PipelineEngine):
@@ -41,18 +67,27 @@ class StageWorker(PipelineEngine):
         self.module = build_stage(run.model, run.pipeline.stages, stage, run.train.seed)
         self.optimizer = InnerOptimizer(self.module, run.optim, run.train.steps)
         self.saved: dict[str, Saved] = {}
-        self.reserved = 0  # forwards accepted but not yet saved
+        self.sent: dict[str, SentGradient] = {}
+        self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
+        self.forwarding: set[str] = set()  # forwards accepted but not yet saved
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
-        self.accumulated = 0
+        self.contributors: set[str] = set()  # data nodes whose gradient has accumulated since the last step
+        self.closed: set[str] = set()  # of those, the ones that have closed a step since
         self.forwards = 0
         self.backwards = 0
+        self.recomputed = 0
+        self.recompute_s = 0.0
         self.expired = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self.saved) or self.reserved > 0
+        return bool(self.saved) or bool(self.forwarding)
 
-    def _check_mine(self, request: ForwardRequest | BackwardRequest) -> str | None:
+    @property
+    def reserved(self) -> int:
+        return len(self.forwarding)
+
+    def _check_mine(self, request: ForwardRequest | BackwardRequest | RecomputeRequest) -> str | None:
         check_hop(request)
         if request.hop < 0 or request.hop >= len(request.route):
             return "this node is not the data node of that microbatch"
@@ -61,15 +96,23 @@ class StageWorker(PipelineEngine):
             return f"this node holds stage {self.stage}, not stage {hop.stage}"
         return None
 
+    def _expiry(self) -> float:
+        return time.monotonic() + self.node.config.microbatch_timeout_s
+
+    # ---- forward ----------------------------------------------------------------------------------
+
     async def on_forward(self, request: ForwardRequest, stream: FramedStream) -> Ack:
         refusal = self._check_mine(request)
         x = await self.read_activation(stream)
         if refusal:
             return Ack(accepted=False, reason=refusal)
+        mb = request.microbatch_id
+        if mb in self.saved or mb in self.forwarding or mb in self.backward_done:
+            return Ack(accepted=True)  # a retried stream: we already have it
         if request.needs_backward and len(self.saved) + self.reserved >= self.node.max_inflight:
             return Ack(accepted=False, reason=f"busy: {self.node.max_inflight} microbatches in flight")
-        self.reserved += 1
-        self.spawn(self._forward(request, x), f"forward {request.microbatch_id}")
+        self.forwarding.add(mb)
+        self.spawn(self._forward(request, x), f"forward {mb}")
         return Ack(accepted=True)
 
     def _run_forward(self, x: torch.Tensor, needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,16 +126,16 @@ class StageWorker(PipelineEngine):
         return x, y
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
+        mb = request.microbatch_id
         try:
             x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if request.needs_backward:
-                expires_at = time.monotonic() + self.node.config.microbatch_timeout_s
-                self.saved[request.microbatch_id] = Saved(x, y, expires_at, request.origin)
+                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop)
         finally:
-            self.reserved -= 1
+            self.forwarding.discard(mb)
         self.forwards += 1
         onward = ForwardRequest(
-            microbatch_id=request.microbatch_id,
+            microbatch_id=mb,
             origin=request.origin,
             step=request.step,
             hop=request.hop + 1,
@@ -102,8 +145,22 @@ class StageWorker(PipelineEngine):
         try:
             await push_forward(self, onward, y.detach())
         except HopFailed as e:
-            self._drop(request.microbatch_id)
-            await self.notify_abandon(request.origin, request.microbatch_id, f"forward after stage {self.stage}: {e}")
+            self._drop(mb)
+            await self.notify_abandon(request.origin, mb, f"forward after stage {self.stage}: {e}")
+
+    async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
+        """A replica redoing the hop after ours asks for its input again: what we sent it."""
+        saved = self.saved.get(request.microbatch_id)
+        if saved is None or saved.hop != request.hop or not self._is_live_worker(sender):
+            await self.serve_output(None, "no output kept for that microbatch and hop", stream)
+            return
+        await self.serve_output(saved.y.detach(), "", stream)
+
+    def _is_live_worker(self, peer_id: str) -> bool:
+        view = self.node.view
+        return view is not None and any(n.peer_id == peer_id and n.stage > 0 for n in view.live_nodes())
+
+    # ---- backward ---------------------------------------------------------------------------------
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
         refusal = self._check_mine(request)
@@ -112,34 +169,26 @@ class StageWorker(PipelineEngine):
         grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
         if refusal:
             return Ack(accepted=False, reason=refusal)
+        if request.microbatch_id in self.backward_done:
+            return Ack(accepted=True)  # a retried stream: already done
+        saved = self.saved.pop(request.microbatch_id, None)  # (it may have expired while we read)
         if saved is None:
             return Ack(accepted=False, reason="unknown or expired microbatch")
-        del self.saved[request.microbatch_id]
+        self.backward_done[request.microbatch_id] = self._expiry()
         self.spawn(self._backward(request, saved, grad), f"backward {request.microbatch_id}")
         return Ack(accepted=True)
 
     def _run_backward(self, saved: Saved, grad: torch.Tensor) -> torch.Tensor:
         saved.y.backward(grad)
         self.live_graphs -= 1
-        self.accumulated += 1
-        self._maybe_step()
         assert saved.x.grad is not None, "backward produced no input gradient"
         return saved.x.grad
-
-    def _maybe_step(self) -> None:
-        """Step once a batch of gradient has accumulated and no saved graph is waiting for its
-        gradient: AdamW updates weights in place, which would corrupt the graphs of microbatches
-        already forwarded with the old weights. (With one data node per step barrier this is the end
-        of every step; with several unsynchronised data nodes a step can wait and take a larger batch.)"""
-        if self.accumulated >= self.run.microbatches_per_step and self.live_graphs == 0:
-            stats = self.optimizer.step()
-            self.accumulated = 0
-            self.node.inner_step = self.optimizer.step_count
-            self.node.grad_norm = stats.grad_norm
 
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
         grad_in = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
         self.backwards += 1
+        self.contributors.add(request.origin)
+        await self._injected_delay(request)
         upstream = BackwardRequest(
             microbatch_id=request.microbatch_id,
             origin=request.origin,
@@ -147,16 +196,120 @@ class StageWorker(PipelineEngine):
             hop=request.hop - 1,
             route=request.route,
         )
-        target = request.origin if upstream.hop < 0 else request.route[upstream.hop].peer_id
+        await self._send_upstream(upstream, grad_in)
+        await self._maybe_step()
+
+    async def _injected_delay(self, request: BackwardRequest) -> None:
+        delay = self.node.config.inject_upstream_delay
+        if delay is not None and request.step == delay[0] and request.hop > 0:
+            upstream = request.route[request.hop - 1].peer_id
+            logger.warning(
+                "[%s] fault injection: holding the gradient of %s for %.1f s before passing it to %s",
+                self.node.short_id,
+                request.microbatch_id,
+                delay[1],
+                upstream,
+            )
+            await asyncio.sleep(delay[1])
+
+    async def _send_upstream(self, upstream: BackwardRequest, grad_in: torch.Tensor) -> None:
+        """Pass a gradient to the hop before ours; if that hop is gone with its graph, have another
+        replica of its stage redo it. Only when its stage has no replica left is the microbatch lost."""
+        mb = upstream.microbatch_id
+        target = upstream.origin if upstream.hop < 0 else upstream.route[upstream.hop].peer_id
         try:
             await self.send(target, "rpc_backward", upstream, grad_in)
         except HopFailed as e:
-            # the upstream hop held the graph this gradient belongs to: without it, the microbatch ends here
+            if upstream.hop < 0:
+                logger.warning("[%s] %s: its data node did not take the gradient: %s", self.node.short_id, mb, e)
+                return
             self.ban(target)
-            await self.notify_abandon(request.origin, request.microbatch_id, f"backward into hop {upstream.hop}: {e}")
+            try:
+                await self.delegate_recompute(upstream, upstream.hop, grad_in, failed=target, why=str(e))
+            except HopFailed as lost:
+                await self.notify_abandon(upstream.origin, mb, f"backward into hop {upstream.hop}: {lost}")
+                return
+        if upstream.hop >= 0:
+            self.sent[mb] = SentGradient(upstream, grad_in, self._expiry())
+
+    async def on_recompute(self, request: RecomputeRequest, stream: FramedStream) -> Ack:
+        """Redo a hop whose holder is gone: our own forward from its kept input, then backward."""
+        refusal = self._check_mine(request)
+        grad = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes)
+        self.check_activation(grad)
+        if refusal:
+            return Ack(accepted=False, reason=refusal)
+        mb = request.microbatch_id
+        if mb in self.backward_done:
+            return Ack(accepted=True)
+        self.backward_done[mb] = self._expiry()
+        stale = self.saved.pop(mb, None)  # we may hold its forward ourselves (an expired or refused graph)
+        if stale is not None:
+            self.live_graphs -= 1
+        self.spawn(self._recompute(request, grad), f"recompute {mb}")
+        return Ack(accepted=True)
+
+    async def _recompute(self, request: RecomputeRequest, grad: torch.Tensor) -> None:
+        started = time.monotonic()
+        mb = request.microbatch_id
+        source = request.origin if request.hop == 0 else request.route[request.hop - 1].peer_id
+        try:
+            x = await self.fetch_output(source, mb, request.hop - 1)
+        except HopFailed as e:
+            await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: input lost: {e}")
+            return
+        if tuple(x.shape) != tuple(grad.shape):
+            await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: shapes disagree")
+            return
+        x, y = await self.compute(self._run_forward, x, True, priority=BACKWARD)
+        saved = Saved(x, y, self._expiry(), request.origin, request.hop)
+        as_backward = BackwardRequest(
+            microbatch_id=mb, origin=request.origin, step=request.step, hop=request.hop, route=request.route
+        )
+        self.recomputed += 1
+        await self._backward(as_backward, saved, grad)
+        self.recompute_s += time.monotonic() - started
+
+    async def on_recover(self, request: RecoverRequest, sender: str) -> Ack:
+        """The data node saw the peer we passed a gradient to leave: have its hop redone elsewhere."""
+        kept = self.sent.get(request.microbatch_id)
+        if kept is None or sender != kept.request.origin:
+            return Ack(accepted=False, reason="no gradient kept for that microbatch from that data node")
+        if kept.request.route[kept.request.hop].peer_id != request.lost_peer:
+            return Ack(accepted=False, reason="that peer did not take this microbatch from us")
+        del self.sent[request.microbatch_id]
+        self.ban(request.lost_peer)
+        self.spawn(self._recover(kept, request.lost_peer), f"recover {request.microbatch_id}")
+        return Ack(accepted=True)
+
+    async def _recover(self, kept: SentGradient, lost_peer: str) -> None:
+        try:
+            await self.delegate_recompute(kept.request, kept.request.hop, kept.grad, lost_peer, "it left the swarm")
+        except HopFailed as e:
+            await self.notify_abandon(kept.request.origin, kept.request.microbatch_id, f"recover: {e}")
+
+    # ---- steps and endings ------------------------------------------------------------------------
+
+    async def on_step_close(self, close: StepClose, sender: str) -> Ack:
+        """A data node's step is over. Step once every data node whose gradient we hold has closed one
+        since our last step (with one data node: exactly at its step boundary)."""
+        if sender in self.contributors:
+            self.closed.add(sender)
+            await self._maybe_step()
+        return Ack(accepted=True)
+
+    async def _maybe_step(self) -> None:
+        """Step if due and no saved graph waits for its gradient: AdamW updates weights in place,
+        which would corrupt the graphs of microbatches already forwarded with the old weights."""
+        if not self.contributors or not self.contributors <= self.closed or self.live_graphs > 0:
+            return
+        self.contributors, self.closed = set(), set()
+        stats = await self.compute(self.optimizer.step, priority=BACKWARD)
+        self.node.inner_step = self.optimizer.step_count
+        self.node.grad_norm = stats.grad_norm
 
     async def notify_abandon(self, origin: str, microbatch_id: str, reason: str) -> None:
-        logger.warning("[%s] %s abandoned: %s", self.node.short_id, microbatch_id, reason)
+        logger.warning("[%s] %s cannot go on: %s", self.node.short_id, microbatch_id, reason)
         try:
             await call(
                 self.node.dht.p2p,
@@ -170,28 +323,37 @@ class StageWorker(PipelineEngine):
             logger.info("[%s] could not tell %s: %s", self.node.short_id, origin[-8:], e)
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
-        """The data node gave this microbatch up: drop its saved activations now."""
+        """The data node gave this microbatch up (or is done with it): drop what we keep for it."""
         saved = self.saved.get(notice.microbatch_id)
-        if saved is None or saved.origin != sender:
+        sent = self.sent.get(notice.microbatch_id)
+        if (saved is None or saved.origin != sender) and (sent is None or sent.request.origin != sender):
             return Ack(accepted=False, reason="nothing kept for that microbatch from that data node")
+        self.sent.pop(notice.microbatch_id, None)
         self._drop(notice.microbatch_id)
         return Ack(accepted=True)
 
+    def on_view(self, view) -> None:
+        """A fresh view of the swarm (each heartbeat): forget what has expired."""
+        self.expire()
+
     def expire(self) -> int:
-        """Drop saved activations whose gradient never came (its microbatch was abandoned downstream)."""
+        """Drop what we keep for microbatches whose gradient never came (abandoned downstream) or
+        whose backward is long over."""
         now = time.monotonic()
         stale = [mb for mb, s in self.saved.items() if s.expires_at < now]
         for mb in stale:
             self._drop(mb)
         self.expired += len(stale)
+        for kept in (self.sent, self.backward_done):
+            for mb in [mb for mb, v in kept.items() if (v if isinstance(v, float) else v.expires_at) < now]:
+                del kept[mb]
         return len(stale)
 
     def _drop(self, microbatch_id: str) -> None:
         """Forget a microbatch whose gradient will never come; a pending step may then proceed."""
         if self.saved.pop(microbatch_id, None) is not None:
             self.live_graphs -= 1
-            if self.accumulated >= self.run.microbatches_per_step:
-                self.spawn(self.compute(self._maybe_step), "deferred step")
+            self.spawn(self._maybe_step(), "deferred step")
 
     def stats(self) -> dict:
         return {
@@ -200,4 +362,8 @@ class StageWorker(PipelineEngine):
             "inner_steps": self.optimizer.step_count,
             "in_flight": len(self.saved),
             "expired": self.expired,
+            "recomputed": self.recomputed,
+            "recompute_s": round(self.recompute_s, 3),
+            "recomputes_delegated": self.recomputes_delegated,
+            "stream_retries": self.stream_retries,
         }

@@ -47,6 +47,47 @@ class BackwardRequest:
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
 
 
+@message("recompute")
+class RecomputeRequest:
+    """Redo hop `hop` of a microbatch whose holder is gone: fetch that hop's input from the hop before
+    it (which kept what it sent), run forward again, and backpropagate the attached gradient of its
+    output. `route` already names this peer at `hop`; backward then continues upstream as usual."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
+    origin: str = wire_field(max_len=MAX_ID_CHARS)
+    step: int
+    hop: int
+    route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
+
+
+@message("fetch_out")
+class OutputRequest:
+    """Send me again what you sent hop `hop + 1` of this microbatch (the input of a hop being redone).
+    The reply is an Ack, then (if accepted) the tensor."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
+    hop: int
+
+
+@message("recover")
+class RecoverRequest:
+    """From the data node: `lost_peer` held this microbatch in backward and left; if you sent it a
+    gradient, have its hop redone by another replica."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
+    lost_peer: str = wire_field(max_len=MAX_ID_CHARS)
+
+
+@message("step_close")
+class StepClose:
+    """From a data node: its step `step` is over, with these microbatches completed. A worker steps its
+    inner optimizer once every data node it took gradient from since its last step has closed one."""
+
+    step: int
+    completed: int
+    abandoned: int
+
+
 @message("abandon")
 class AbandonNotice:
     """Tells a data node that one of its microbatches cannot finish, and why."""
@@ -63,8 +104,13 @@ class Ack:
     reason: str = wire_field(max_len=200, default="")
 
 
-def check_hop(request: ForwardRequest | BackwardRequest) -> None:
-    """Refuse a hop index outside its route (forward: 0..len, backward: -1..len-1)."""
-    low, high = (0, len(request.route)) if isinstance(request, ForwardRequest) else (-1, len(request.route) - 1)
+def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> None:
+    """Refuse a hop index outside its route (forward: 0..len, backward: -1..len-1, recompute: 0..len-1)."""
+    if isinstance(request, ForwardRequest):
+        low, high = 0, len(request.route)
+    elif isinstance(request, BackwardRequest):
+        low, high = -1, len(request.route) - 1
+    else:
+        low, high = 0, len(request.route) - 1
     if not low <= request.hop <= high:
         raise MalformedMessage(f"hop {request.hop} outside a route of {len(request.route)} hops")

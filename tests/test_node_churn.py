@@ -1,0 +1,72 @@
+"""Crashes during training, with real daemons: a hop killed in backward is redone by another replica
+of its stage (only that hop), and a stage left with no replica is waited for, not given up on."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.helpers.processes import wait_until
+from tests.helpers.tiny import write_tiny_run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+TTL = "6"
+
+
+def _events(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(path) -> dict | None:
+    return next((e for e in _events(path) if e["event"] == "done"), None)
+
+
+def _stats(path) -> dict:
+    return json.loads(path.read_text())["engine"]
+
+
+def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else_is(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 8})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", TTL, "--role", "worker")
+    first = [
+        swarm.start_node([entry], *common, "--stage", "1", "--stats-file", str(tmp_path / f"first{i}.json"), wait=False)
+        for i in range(2)
+    ]
+    holder = swarm.start_node(
+        [entry], *common, "--stage", "2", "--inject-upstream-delay", "3:6", "--stats-file",
+        str(tmp_path / "holder.json"), wait=False,
+    )  # fmt: skip
+    for peer in (*first, holder):
+        swarm.wait_ready(peer)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
+
+    # Stage 2 holds the gradients of step 3; meanwhile the stage-1 replica waiting for one of them dies.
+    held = wait_until(
+        lambda: re.search(r"holding the gradient of \S+ for [\d.]+ s before passing it to (\S+)", holder.log()),
+        240,
+        "the injected hold at step 3",
+    )
+    victim = next(p for p in first if p.peer_id == held.group(1))
+    survivor = next(p for p in first if p is not victim)
+    swarm.kill(victim)
+
+    done = wait_until(lambda: _done(progress), 240, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
+    assert done["microbatches_completed"] == done["microbatches_injected"]
+    assert done["microbatches_resent"] == 0  # no forward pass was sent again: only the lost hop was redone
+
+    for peer in (holder, survivor):
+        assert swarm.stop(peer) == 0
+    delegated = _stats(tmp_path / "holder.json")["recomputes_delegated"]
+    redone = _stats(tmp_path / f"first{first.index(survivor)}.json")["recomputed"]
+    assert delegated >= 1 and redone == delegated
+    assert f"redone by {survivor.peer_id[-8:]}" in holder.log()
+    losses = [e["loss"] for e in _events(progress) if e["event"] == "step"]
+    assert len(losses) == 8 and losses[-1] < losses[0]
