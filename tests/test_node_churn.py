@@ -70,3 +70,26 @@ def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else
     assert f"redone by {survivor.peer_id[-8:]}" in holder.log()
     losses = [e["loss"] for e in _events(progress) if e["event"] == "step"]
     assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+def test_a_stage_with_no_replica_is_waited_for_and_no_microbatch_is_lost(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 30})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", TTL, "--role", "worker")
+    workers = [swarm.start_node([entry], *common, "--stage", str(s), wait=False) for s in (1, 2)]
+    for worker in workers:
+        swarm.wait_ready(worker)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
+
+    wait_until(lambda: any(e.get("step", -1) >= 5 for e in _events(progress)), 240, "step 5")
+    swarm.kill(workers[1])  # the only replica of stage 2
+    wait_until(lambda: any(e["event"] == "waiting" for e in _events(progress)), 120, "the data node to wait")
+    swarm.start_node([entry], *common, "--stage", "2")
+
+    done = wait_until(lambda: _done(progress), 300, "the data node to finish")
+    waiting = next(e for e in _events(progress) if e["event"] == "waiting")
+    assert waiting["stages"] == [2]
+    assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
+    assert done["microbatches_completed"] == done["microbatches_injected"]  # 30 steps x 4, and evaluation
+    assert done["steps"] == 30

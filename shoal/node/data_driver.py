@@ -57,6 +57,7 @@ class InFlight:
     grad: torch.Tensor | None = None
     recovered: set[str] = field(default_factory=set)  # lost peers whose hop we already had redone
     embedding_grad: bool = False  # the gradient reached the embedding
+    recovering: int = 0  # lost hops being redone right now
     injected_at: float = field(default_factory=time.monotonic)
 
 
@@ -317,7 +318,7 @@ class DataDriver(PipelineEngine):
         timeout_s = self.node.config.microbatch_timeout_s
         try:
             await push_forward(self, request, embedded.detach())
-            outcome = await asyncio.wait_for(asyncio.shield(done), timeout_s)
+            outcome = await self._wait(entry, timeout_s)
         except HopFailed as e:
             stage_lost = "stage_lost" in str(e)
             outcome = Outcome("abandoned" if stage_lost else "resend", f"forward into stage {route[0][0]}: {e}")
@@ -331,6 +332,16 @@ class DataDriver(PipelineEngine):
         if outcome.kind != "completed":
             self.spawn(self._release_route(wire_id, entry.route_peers, outcome.reason), f"release {wire_id}")
         return outcome, entry
+
+    async def _wait(self, entry: InFlight, timeout_s: float) -> Outcome:
+        """The attempt's outcome, or TimeoutError after `timeout_s` without news. A hop being redone
+        counts as news: that wait is bounded by the stage wait of whoever redoes it."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(entry.done), timeout_s)
+            except TimeoutError:
+                if entry.recovering == 0:
+                    raise
 
     def _end(self, wire_id: str, outcome: Outcome) -> None:
         entry = self.in_flight.get(wire_id)
@@ -402,11 +413,14 @@ class DataDriver(PipelineEngine):
     async def _redo_hop(self, wire_id: str, entry: InFlight, lost_peer: str, why: str) -> None:
         """The last hop is gone with its graph: another replica of its stage redoes it."""
         assert entry.backward is not None and entry.grad is not None
+        entry.recovering += 1
         try:
             await self.delegate_recompute(entry.backward, entry.backward.hop, entry.grad, lost_peer, why)
             self.ledger.recoveries += 1
         except HopFailed as e:
             self._end(wire_id, Outcome("abandoned", f"backward into stage {entry.backward.route[-1].stage}: {e}"))
+        finally:
+            entry.recovering -= 1
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
         check_hop(request)
@@ -472,10 +486,17 @@ class DataDriver(PipelineEngine):
         notice = RecoverRequest(microbatch_id=wire_id, lost_peer=lost_peer)
         try:
             ack = await call(self.node.dht.p2p, downstream, "rpc_recover", notice, Ack, timeout_s=5.0)
-            if ack.accepted:
+            if ack.accepted:  # the hop after the lost one has it redone: wait for that, within bounds
                 self.ledger.recoveries += 1
+                entry.recovering += 1
+                grace = self.node.config.stage_wait_s + self.node.config.microbatch_timeout_s
+                asyncio.get_running_loop().call_later(grace, self._recovered, entry)
         except Exception as e:
             logger.info("[%s] recover %s via %s: %s", self.node.short_id, wire_id, downstream[-8:], e)
+
+    @staticmethod
+    def _recovered(entry: InFlight) -> None:
+        entry.recovering -= 1
 
     def _holds_block_stage(self, peer_id: str) -> bool:
         """A live stage worker of this run (a hop may have been re-routed to it on the way)."""

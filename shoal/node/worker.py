@@ -97,7 +97,9 @@ class StageWorker(PipelineEngine):
         return None
 
     def _expiry(self) -> float:
-        return time.monotonic() + self.node.config.microbatch_timeout_s
+        """How long to keep what a microbatch may still need: its own timeout, plus the time a hop
+        after ours may spend waiting for a replica of a stage that has none (a redo then needs it)."""
+        return time.monotonic() + self.node.config.microbatch_timeout_s + self.node.config.stage_wait_s
 
     # ---- forward ----------------------------------------------------------------------------------
 
