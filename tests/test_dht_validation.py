@@ -33,6 +33,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "outer_epoch": 0,
         "loss": None,
         "grad_norm": None,
+        "waiting_for": [],
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

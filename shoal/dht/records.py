@@ -43,6 +43,8 @@ class NodeRecord(_Strict):
     protocol_version: pydantic.conint(strict=True, ge=0, le=1_000_000)  # type: ignore[valid-type]
     started_at: _finite  # type: ignore[valid-type]
     updated_at: _finite  # type: ignore[valid-type]
+    # a data node's block stages that have no live replica while it waits for one
+    waiting_for: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=4096), max_items=64)  # type: ignore[valid-type]
 
 
 class RunRecord(_Strict):
@@ -74,6 +76,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         maddrs=tuple(record.maddrs),
         inner_step=record.inner_step,
         outer_epoch=record.outer_epoch,
+        waiting_for=tuple(record.waiting_for),
         loss=record.loss,
         grad_norm=record.grad_norm,
         protocol_version=record.protocol_version,

@@ -173,6 +173,7 @@ class Node:
             "protocol_version": PROTOCOL_VERSION,
             "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
+            "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
         }
 
     async def publish(self) -> bool:

@@ -45,7 +45,13 @@ def swarm_needs(view: SwarmView) -> dict[str, Any]:
         message = (
             f"{stage_word} {_stage_list(missing)} {have} no live replica: start {len(missing)} more {nodes} ({why})"
         )
+    waiting = [{"peer_id": n.peer_id, "stages": list(n.waiting_for)} for n in view.live_nodes() if n.waiting_for]
+    if waiting:
+        message += "; " + "; ".join(
+            f"data node {w['peer_id'][-8:]} is waiting for stage(s) {w['stages']}" for w in waiting
+        )
     return {
+        "waiting": waiting,
         "ready": not missing,
         "nodes_required": required,
         "live_nodes": len(view.live_nodes()),
@@ -77,6 +83,7 @@ def summarize(run, view) -> dict[str, Any]:
                 "age_s": max(0.0, now - n.updated_at),
                 "expires_in_s": max(0.0, n.expires_at - now),
                 "maddrs": list(n.maddrs),
+                "waiting_for": list(n.waiting_for),
             }
         )
     stages = [

@@ -36,6 +36,7 @@ class NodeInfo:
     started_at: float = 0.0
     updated_at: float = 0.0
     expires_at: float = 0.0
+    waiting_for: tuple[StageIndex, ...] = ()  # a data node's block stages with no live replica, while it waits
 
     @property
     def live(self) -> bool:

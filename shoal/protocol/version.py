@@ -8,7 +8,7 @@ peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: 
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: node records carry `waiting_for`; recompute, output fetch, recover and step-close messages
 
 
 def is_compatible(version: object) -> bool:
