@@ -34,6 +34,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "loss": None,
         "grad_norm": None,
         "waiting_for": [],
+        "links": [],
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

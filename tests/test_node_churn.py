@@ -9,21 +9,12 @@ import re
 import pytest
 
 from tests.helpers.processes import wait_until
+from tests.helpers.progress import done_event, progress_events
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 TTL = "6"
-
-
-def _events(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _done(path) -> dict | None:
-    return next((e for e in _events(path) if e["event"] == "done"), None)
 
 
 def _stats(path) -> dict:
@@ -57,7 +48,7 @@ def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else
     survivor = next(p for p in first if p is not victim)
     swarm.kill(victim)
 
-    done = wait_until(lambda: _done(progress), 240, "the data node to finish")
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish")
     assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
     assert done["microbatches_completed"] == done["microbatches_injected"]
     assert done["microbatches_resent"] == 0  # no forward pass was sent again: only the lost hop was redone
@@ -68,7 +59,7 @@ def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else
     redone = _stats(tmp_path / f"first{first.index(survivor)}.json")["recomputed"]
     assert delegated >= 1 and redone == delegated
     assert f"redone by {survivor.peer_id[-8:]}" in holder.log()
-    losses = [e["loss"] for e in _events(progress) if e["event"] == "step"]
+    losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
     assert len(losses) == 8 and losses[-1] < losses[0]
 
 
@@ -82,13 +73,13 @@ def test_a_stage_with_no_replica_is_waited_for_and_no_microbatch_is_lost(swarm, 
     progress = tmp_path / "progress.jsonl"
     swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
 
-    wait_until(lambda: any(e.get("step", -1) >= 5 for e in _events(progress)), 240, "step 5")
+    wait_until(lambda: any(e.get("step", -1) >= 5 for e in progress_events(progress)), 240, "step 5")
     swarm.kill(workers[1])  # the only replica of stage 2
-    wait_until(lambda: any(e["event"] == "waiting" for e in _events(progress)), 120, "the data node to wait")
+    wait_until(lambda: any(e["event"] == "waiting" for e in progress_events(progress)), 120, "the data node to wait")
     swarm.start_node([entry], *common, "--stage", "2")
 
-    done = wait_until(lambda: _done(progress), 300, "the data node to finish")
-    waiting = next(e for e in _events(progress) if e["event"] == "waiting")
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    waiting = next(e for e in progress_events(progress) if e["event"] == "waiting")
     assert waiting["stages"] == [2]
     assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
     assert done["microbatches_completed"] == done["microbatches_injected"]  # 30 steps x 4, and evaluation

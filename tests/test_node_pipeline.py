@@ -4,7 +4,6 @@ and stage workers that refuse bad tensors and keep serving."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -18,19 +17,10 @@ from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.processes import wait_until
+from tests.helpers.progress import done_event, progress_events
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
-
-
-def _progress(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _done(path) -> dict | None:
-    return next((e for e in _progress(path) if e["event"] == "done"), None)
 
 
 @pytest.fixture
@@ -47,10 +37,10 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     assert sorted(w.stage for w in workers) == list(range(1, run.pipeline.stages))
     progress = tmp_path / "progress.jsonl"
     swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
-    done = wait_until(lambda: _done(progress), 240, "the data node to finish training")
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
 
     reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()
-    swarm_losses = [e["loss"] for e in _progress(progress) if e["event"] == "step"]
+    swarm_losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
     local_losses = [r.loss for r in reference.history]
     assert len(swarm_losses) == len(local_losses) == run.train.steps
     # float32 on the wire: only the order of float operations differs (hop-by-hop graphs, threads)

@@ -12,10 +12,10 @@ import random
 import pytest
 
 from shoal.planning.costs import CostModel
+from shoal.planning.policy import make_policy
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm import PlanNode, Swarm
 from shoal.sim.engine import SimConfig, Simulator
-from shoal.sim.policies import make_policy
 
 COST = CostModel(activation_bytes=50, per_hop_overhead_s=0.05)
 LAT = ((0.0, 0.1), (0.1, 0.0))

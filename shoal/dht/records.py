@@ -13,6 +13,7 @@ from pydantic import v1 as pydantic
 from shoal.planning.swarm_view import ROLE_DATA, ROLE_WORKER, STATE_ACTIVE, STATE_JOINING, STATE_LEAVING, NodeInfo
 
 MAX_MADDRS = 16
+MAX_LINKS = 32
 MAX_RUN_TOML_BYTES = 16 * 1024
 
 
@@ -24,6 +25,14 @@ class _Strict(pydantic.BaseModel):
 
 _finite = pydantic.confloat(strict=True, ge=0.0, le=1e12)
 _id = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._@:-]+$")
+
+
+class LinkRecord(_Strict):
+    """One link a node measured: half its ping round trip, and the bandwidth of its tensor sends."""
+
+    peer_id: _id  # type: ignore[valid-type]
+    latency_s: pydantic.confloat(strict=True, ge=0.0, le=60.0)  # type: ignore[valid-type]
+    bandwidth_Bps: _finite  # type: ignore[valid-type]
 
 
 class NodeRecord(_Strict):
@@ -45,6 +54,7 @@ class NodeRecord(_Strict):
     updated_at: _finite  # type: ignore[valid-type]
     # a data node's block stages that have no live replica while it waits for one
     waiting_for: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=4096), max_items=64)  # type: ignore[valid-type]
+    links: pydantic.conlist(LinkRecord, max_items=MAX_LINKS)  # type: ignore[valid-type]
 
 
 class RunRecord(_Strict):
@@ -77,6 +87,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         inner_step=record.inner_step,
         outer_epoch=record.outer_epoch,
         waiting_for=tuple(record.waiting_for),
+        links=tuple((link.peer_id, link.latency_s, link.bandwidth_Bps) for link in record.links),
         loss=record.loss,
         grad_norm=record.grad_norm,
         protocol_version=record.protocol_version,

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
     parser.add_argument("--data", default=None, metavar="PATH", help="text file or folder (data nodes)")
     parser.add_argument("--role", default="auto", help="auto (default), data or worker")
+    parser.add_argument(
+        "--routing",
+        default="gwtf",
+        help="gwtf (default: min-max path cost over measured links), swarm (each hop balances on its own "
+        "timings) or capacity (replica throughput only)",
+    )
     parser.add_argument("--stage", type=int, default=None, help="hold this block stage (default: the swarm's choice)")
     parser.add_argument(
         "--inject-upstream-delay",
@@ -124,6 +130,7 @@ def node_config(args: argparse.Namespace):
         progress_file=args.progress_file,
         stats_file=args.stats_file,
         stage=args.stage,
+        routing=args.routing,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
     )
 

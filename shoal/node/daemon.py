@@ -27,10 +27,13 @@ from shoal.node import capacity
 from shoal.node.config import NodeConfig
 from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
+from shoal.node.links import LinkMonitor
 from shoal.node.pipeline_service import PipelineService
 from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
-from shoal.planning.assignment import Candidate, choose_stage
+from shoal.planning.assignment import Candidate
+from shoal.planning.costs import CostModel
+from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import (
     ROLE_DATA,
     ROLE_WORKER,
@@ -87,6 +90,14 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
     return run
 
 
+def run_cost_model(run: RunConfig) -> CostModel:
+    """The planners' time model for this run: one microbatch's activation on the wire."""
+    from shoal.protocol.tensors import DTYPE_SIZES
+
+    t, m = run.train, run.model
+    return CostModel(activation_bytes=t.microbatch_size * t.seq_len * m.d_model * DTYPE_SIZES[run.pipeline.wire_dtype])
+
+
 class Node:
     def __init__(self, config: NodeConfig, dht: SwarmDHT, run: RunConfig, block_throughput: float):
         self.config, self.dht, self.run = config, dht, run
@@ -100,6 +111,8 @@ class Node:
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.view: SwarmView | None = None
+        self.router = PeerRouter(config.routing, run_cost_model(run), seed=dht.peer_id)
+        self.links = LinkMonitor(dht.p2p, dht.peer_id)
         self.engine: StageWorker | DataDriver | None = None
         self.memory_samples: list[tuple[float, int]] = []
         self._stop = asyncio.Event()
@@ -144,7 +157,9 @@ class Node:
                 )
             return self.config.stage
         assert self.view is not None
-        return choose_stage(self.view, self.candidate())
+        blocks = max(1, self.view.blocks_per_stage[1]) if self.view.stages > 1 else 1
+        forward_s = blocks / max(self.block_throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
+        return self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
 
     def candidate(self) -> Candidate:
         return Candidate(
@@ -174,6 +189,7 @@ class Node:
             "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
             "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
+            "links": self.links.advertised(),
         }
 
     async def publish(self) -> bool:
@@ -225,7 +241,17 @@ class Node:
             logger.info(
                 "[%s] %d listed peer(s) do not answer: %s", self.short_id, len(silent), [p[-8:] for p in silent]
             )
-        return view.without(silent)
+        return self.observe_view(view.without(silent))
+
+    def observe_view(self, view: SwarmView) -> SwarmView:
+        """Take a fresh view: routing re-plans over it and the links measured so far."""
+        self.view = view
+        links = {**view.measured_links(), **self.links.measured()}
+        self.router.update(Snapshot(view, self.peer_id, links))
+        return view
+
+    async def refresh_view(self) -> SwarmView:
+        return self.observe_view(await self.dht.read_view(self.run))
 
     async def _answers(self, peer_id: str) -> bool:
         try:
@@ -292,7 +318,10 @@ class Node:
             except TimeoutError:
                 pass
             try:
-                self.view = await self.dht.read_view(self.run)
+                await self.refresh_view()
+                live = [n.peer_id for n in self.view.live_nodes()]
+                self.links.forget(set(live))
+                await self.links.ping_round(live, preferred=set())
                 if self.engine is not None:
                     self.engine.on_view(self.view)
                 chosen = self.choose_stage()

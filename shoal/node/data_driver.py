@@ -22,7 +22,8 @@ from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
-from shoal.planning.routing import Route, choose_route, full_pipeline
+from shoal.planning.peer_router import Routed
+from shoal.planning.routing import full_pipeline
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -123,7 +124,7 @@ class DataDriver(PipelineEngine):
         started = last_report = time.monotonic()
         while True:
             view = self.node.view
-            if view is not None and choose_route(view, full_pipeline(view), {}) is not None:
+            if view is not None and all(view.replicas(s) for s in full_pipeline(view)):
                 return
             if view is not None and time.monotonic() - last_report >= report_s:
                 missing = [s for s in full_pipeline(view) if not view.replicas(s)]
@@ -135,7 +136,7 @@ class DataDriver(PipelineEngine):
                 )
                 last_report = time.monotonic()
             await asyncio.sleep(poll_s)
-            self.node.view = await self.node.dht.read_view(self.run)
+            await self.node.refresh_view()
 
     # ---- the training loop ---------------------------------------------------------------------
 
@@ -225,16 +226,17 @@ class DataDriver(PipelineEngine):
         with torch.enable_grad():
             return self.head.embed(tokens)
 
-    async def _route(self) -> Route | None:
-        """A route through one live replica of every block stage. While some stage has none, wait
-        for one (bounded by the node's stage wait, said in the log and the progress file); None if
-        it never came."""
+    async def _route(self) -> Routed | None:
+        """A route through one live replica of every block stage, from the node's routing policy
+        (GWTF by default). While some stage has none, wait for one (bounded by the node's stage wait,
+        said in the log and the progress file); None if it never came."""
         deadline = time.monotonic() + self.node.config.stage_wait_s
+        router = self.node.router
         while True:
             view = self.node.view
-            route = choose_route(view, full_pipeline(view), self.load, self.banned()) if view else None
+            route = router.route(self.node.peer_id, exclude=self.banned()) if view else None
             if route is None and view is not None:  # a ban is a preference, not a verdict
-                route = choose_route(view, full_pipeline(view), self.load)
+                route = router.route(self.node.peer_id)
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
@@ -297,10 +299,11 @@ class DataDriver(PipelineEngine):
         embedded: torch.Tensor,
         targets: torch.Tensor,
         loss_scale: float,
-        route: Route,
+        routed: Routed,
         train: bool,
     ) -> tuple[Outcome, InFlight]:
         wire_id = f"{base_id}#{attempt}"
+        route = routed.hops
         done = asyncio.get_running_loop().create_future()
         entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
         self.in_flight[wire_id] = entry
@@ -329,6 +332,7 @@ class DataDriver(PipelineEngine):
         finally:
             self.in_flight.pop(wire_id, None)
             self.load.subtract(entry.route_peers)
+            self.node.router.end(routed)
         if outcome.kind != "completed":
             self.spawn(self._release_route(wire_id, entry.route_peers, outcome.reason), f"release {wire_id}")
         return outcome, entry

@@ -17,7 +17,6 @@ import torch
 
 from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
-from shoal.planning.routing import pick_replica
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
@@ -128,6 +127,7 @@ class PipelineEngine:
 
     async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
         timeout_s = self.node.config.rpc_timeout_s
+        started = time.monotonic()
         try:
             stream = await open_call(self.node.dht.p2p, peer_id, rpc, timeout_s)
         except Exception as e:
@@ -146,6 +146,7 @@ class PipelineEngine:
             raise HopFailed(f"{peer_id[-8:]} declined: {ack.reason}", refused=True)
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
+        self.node.links.observe_send(peer_id, sent, time.monotonic() - started)
 
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
@@ -178,22 +179,19 @@ class PipelineEngine:
         self.traffic.bytes_sent += await stream.write_tensor(tensor, self.wire_dtype)
         self.traffic.tensors_sent += 1
 
-    def replacement(self, stage: int, exclude: set[str]) -> str | None:
-        """Another live replica of `stage` to take over a hop, or None if the view has none."""
-        view = self.node.view
-        if view is None:
-            return None
-        replica = pick_replica(view, stage, {}, exclude=self.banned() | exclude)
-        return None if replica is None else replica.peer_id
+    def replacement(self, stage: int, exclude: set[str], prev: str, nxt: str) -> str | None:
+        """Another live replica of `stage` to take over a hop between `prev` and `nxt`, by the node's
+        routing policy (GWTF: the cheapest d(prev, j) + d(j, nxt)), or None if the view has none."""
+        return self.node.router.replace(stage, prev, nxt, self.banned() | exclude)
 
-    async def wait_for_replacement(self, stage: int, exclude: set[str]) -> str | None:
+    async def wait_for_replacement(self, stage: int, exclude: set[str], prev: str, nxt: str) -> str | None:
         """A live replica of `stage` outside `exclude`, waiting (bounded by the node's stage wait) while
         the view has none: a stage briefly without a replica is waited for, not given up on. Peers
         excluded or banned are tried again once nothing else is left."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.node.config.stage_wait_s
         while True:
-            peer = self.replacement(stage, exclude)
+            peer = self.replacement(stage, exclude, prev, nxt)
             if peer is not None:
                 return peer
             if loop.time() >= deadline:
@@ -212,9 +210,10 @@ class PipelineEngine:
         gradient): have another replica of its stage redo only that hop, from the input the hop
         before it kept and the gradient we hold. Raises HopFailed if no replica of the stage is left."""
         stage = request.route[hop].stage
+        prev = request.origin if hop == 0 else request.route[hop - 1].peer_id
         tried = {failed}
         while True:
-            peer = await self.wait_for_replacement(stage, tried)
+            peer = await self.wait_for_replacement(stage, tried, prev, self.node.peer_id)
             if peer is None:
                 raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200])
             route = list(request.route)
@@ -263,7 +262,12 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
         home = request.hop == len(request.route)
         target = request.origin if home else request.route[request.hop].peer_id
         try:
+            started = time.monotonic()
             await engine.send(target, "rpc_forward", request, tensor)
+            if not home:
+                engine.node.router.observe(
+                    engine.node.peer_id, target, request.route[request.hop].stage, time.monotonic() - started
+                )
             return request
         except HopFailed as e:
             failures.append(str(e))
@@ -272,7 +276,8 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
             if home:
                 break
             stage = request.route[request.hop].stage
-            replica = await engine.wait_for_replacement(stage, tried)
+            nxt = request.origin if request.hop + 1 == len(request.route) else request.route[request.hop + 1].peer_id
+            replica = await engine.wait_for_replacement(stage, tried, engine.node.peer_id, nxt)
             if replica is None:
                 failures.append(f"stage_lost: no live replica of stage {stage}")
                 break

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,7 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
+    Hop,
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
@@ -144,11 +145,25 @@ class StageWorker(PipelineEngine):
             route=request.route,
             needs_backward=request.needs_backward,
         )
+        onward = self._choose_next_hop(onward)
         try:
             await push_forward(self, onward, y.detach())
         except HopFailed as e:
             self._drop(mb)
             await self.notify_abandon(request.origin, mb, f"forward after stage {self.stage}: {e}")
+
+    def _choose_next_hop(self, onward: ForwardRequest) -> ForwardRequest:
+        """With SWARM routing every sender picks the next hop itself, by its own balancer."""
+        router = self.node.router
+        if not router.hop_by_hop or onward.hop >= len(onward.route):
+            return onward
+        stage = onward.route[onward.hop].stage
+        pick = router.next_hop(self.node.peer_id, stage, exclude=self.banned())
+        if pick is None or pick == onward.route[onward.hop].peer_id:
+            return onward
+        route = list(onward.route)
+        route[onward.hop] = Hop(stage=stage, peer_id=pick)
+        return replace(onward, route=tuple(route))
 
     async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
         """A replica redoing the hop after ours asks for its input again: what we sent it."""

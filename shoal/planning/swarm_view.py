@@ -37,6 +37,7 @@ class NodeInfo:
     updated_at: float = 0.0
     expires_at: float = 0.0
     waiting_for: tuple[StageIndex, ...] = ()  # a data node's block stages with no live replica, while it waits
+    links: tuple[tuple[PeerID, float, float], ...] = ()  # (peer, one-way latency s, bandwidth B/s) it measured
 
     @property
     def live(self) -> bool:
@@ -61,6 +62,13 @@ class SwarmView:
         """Microbatches per second the live replicas of a block stage can process together."""
         blocks = max(1, self.blocks_per_stage[stage])
         return sum(n.block_throughput for n in self.replicas(stage, exclude)) / blocks
+
+    def measured_links(self) -> dict[tuple[PeerID, PeerID], tuple[float, float]]:
+        """(from, to) -> (one-way latency s, bandwidth B/s) as the live nodes advertise them; a
+        bandwidth of 0 means not measured yet (no large send on that link)."""
+        return {
+            (n.peer_id, peer): (latency, bandwidth) for n in self.live_nodes() for peer, latency, bandwidth in n.links
+        }
 
     def without(self, peer_ids: Iterable[PeerID]) -> SwarmView:
         gone = set(peer_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from shoal.sim.policies import POLICIES
+from shoal.planning.policy import POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ admitting the activation until that microbatch's backward there ends; an activat
 node waits for room. Without a plan, a node runs backward before forward and otherwise first come,
 first served; with a collision-aware plan, it never starts a task before its planned time.
 
-Every choice of where a microbatch goes is asked of the policy (`policies.py`, i.e. `planning/`);
+Every choice of where a microbatch goes is asked of the policy (`shoal/planning/policy.py`);
 churn and recovery live in `faults.py`.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.planning.costs import CostModel
+from shoal.planning.policy import Policy
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
 from shoal.sim.churn import ChurnConfig, ChurnProcess
 from shoal.sim.faults import FaultsMixin
 from shoal.sim.metrics import SimResult
-from shoal.sim.policies import Policy
 from shoal.sim.state import ORIGIN, Microbatch, Node, Task
 
 _EPS = 1e-9

@@ -8,16 +8,17 @@ seed, so changing the policy never changes the swarm it is compared on.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 from shoal.errors import UsageError
+from shoal.planning.policy import ALLOCATION_LIMIT, POLICIES, make_policy
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm import NodeId, Swarm
 from shoal.sim.churn import ChurnConfig
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.sim.generator import random_node, random_swarm
 from shoal.sim.metrics import SimResult
-from shoal.sim.policies import ALLOCATION_LIMIT, POLICIES, make_policy
 from shoal.sim.scenario import Scenario, load_scenario, scenario_swarm
 
 RANDOM_SCENARIO = "random"  # the generator, over gcp12's regions and constants (NL-London corrected)
@@ -89,6 +90,7 @@ def simulate(spec: RunSpec) -> SimResult:
         max_jump=spec.max_jump,
     )
     policy = make_policy(spec.policy, scenario.cost_model(), random.Random(f"policy:{spec.seed}"), options, allocate)
+    policy.clock = time.perf_counter  # the planner's own wall time, reported as scheduler_wall_s
     config = SimConfig(
         microbatches=scenario.microbatches if spec.microbatches is None else spec.microbatches,
         failure_timeout_s=spec.failure_timeout_s,

@@ -1,16 +1,18 @@
-"""The five scheduling policies as the simulator sees them: thin adapters over `shoal.planning`.
+"""The routing policies: the one seam through which both the daemon and the simulator decide where a
+microbatch goes, who redoes a lost hop, and which stage a node takes.
 
-Every decision here is one call into `planning/`; an adapter only keeps the state a real node would
-keep between calls (its routes, its balancer) and times the planner with a wall clock, which is
-how `scheduler_wall_s` is measured.
+Every decision here is one call into `planning/`; a policy only keeps the state a real node keeps
+between calls (its routes, its balancer). A caller that wants the planner's own cost sets `clock`
+(the simulator does, to report `scheduler_wall_s`); nothing here reads a clock by itself. The daemon
+reaches these through `PeerRouter` (`planning/peer_router.py`), over its SwarmView and the links it
+measured.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from shoal.planning.allocation import allocate_stages
 from shoal.planning.costs import CostModel
@@ -23,7 +25,7 @@ from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
 
-POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf")
+POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf", "capacity")
 ALLOCATION_LIMIT = 200  # nodes; DT-FM's local search is quadratic per move, so larger swarms keep their stages
 
 
@@ -40,13 +42,16 @@ class Policy:
         self.wall_s = 0.0
         self.wall_by_call: dict[str, float] = {}  # planner wall time per planning function
         self.plan: IterationPlan | None = None
+        self.clock: Callable[[], float] | None = None  # set to time the planner (simulator reports)
 
     def _timed(self, fn, *args, **kwargs):
-        start = time.perf_counter()
+        if self.clock is None:
+            return fn(*args, **kwargs)
+        start = self.clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent = time.perf_counter() - start
+            spent = self.clock() - start
             self.wall_s += spent
             name = getattr(fn, "__name__", "planner")
             self.wall_by_call[name] = self.wall_by_call.get(name, 0.0) + spent
@@ -186,6 +191,39 @@ class SwarmPolicy(Policy):
         return self._timed(swarm_join_stage, view, self.cost, newcomer)
 
 
+class CapacityPolicy(Policy):
+    """The daemon's first rule, kept as a baseline: per stage, the replica with the earliest expected
+    finish, (microbatches this data node has in flight on it + 1) x its compute time, blind to the
+    network. A lost hop goes to the least loaded other replica."""
+
+    name = "capacity"
+
+    def __init__(self, cost: CostModel, rng: random.Random) -> None:
+        super().__init__(cost, rng)
+        self.in_use: Counter[NodeId] = Counter()
+
+    def _least_loaded(self, candidates, load: Mapping[NodeId, int]) -> PlanNode | None:
+        key = lambda n: ((load.get(n.node_id, 0) + self.in_use[n.node_id] + 1) * n.forward_s, n.node_id)  # noqa: E731
+        return min(candidates, key=key, default=None)
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        hops = []
+        for stage in range(1, view.stages):
+            pick = self._least_loaded(view.by_stage[stage], {})
+            if pick is None:
+                return None
+            hops.append(pick.node_id)
+        self.in_use.update(hops)
+        return tuple(hops)
+
+    def finished(self, origin: NodeId, route: tuple[NodeId, ...]) -> None:
+        self.in_use.subtract(route)
+
+    def replace(self, view, stage, prev, nxt, exclude, load) -> NodeId | None:
+        pick = self._least_loaded([n for n in view.by_stage[stage] if n.node_id not in exclude], load)
+        return None if pick is None else pick.node_id
+
+
 def make_policy(
     name: str,
     cost: CostModel,
@@ -201,4 +239,6 @@ def make_policy(
         return GwtfPolicy(cost, rng)
     if name == "swarm":
         return SwarmPolicy(cost, rng)
+    if name == "capacity":
+        return CapacityPolicy(cost, rng)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
