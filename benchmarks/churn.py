@@ -1,21 +1,23 @@
 """Churn: a real local swarm under a seeded kill -9 / restart schedule, against the same run without faults.
 
-    .venv/bin/python benchmarks/churn.py                      # 250 steps per run, ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/churn.py                      # 250 steps per run, ~20 minutes on 2 cores
     .venv/bin/python benchmarks/churn.py --steps 60 --seed 1  # a quick look
 
-Both runs: a bootstrap peer, 2 stage workers per block stage and one data node as processes on
-loopback, 1 torch thread each, the same run, steps and data. In the churn run a random live worker
-is killed with SIGKILL every 12-20 s (seeded) and a fresh `shoal node` is started 2 s later (it takes
-the stage that is short). Reported for each run: microbatches injected / completed / abandoned (by
-reason) / sent again, hops redone, stream retries, loss curve, tokens/s over time; and the ratio
-of the churn run's throughput to the fault-free run's. Writes benchmarks/results/churn.json and its
-section of docs/benchmarks.md.
+Four runs of the same run, steps and data, each a bootstrap peer, stage workers and one data node as
+processes on loopback, 1 torch thread each: without faults with 1 and with 2 replicas per block
+stage, then 2 replicas under churn once with GWTF routing and once with SWARM routing, on the same
+seeded schedule: a random live worker is killed with SIGKILL every 12-20 s and a fresh `shoal node`
+is started 2 s later (it must find the stage that is short). Reported for each run: microbatches
+injected / completed / abandoned (by reason) / sent again, hops redone, stream retries, where each
+replacement went, loss curve, tokens/s over time; and throughput ratios between the runs.
+Writes benchmarks/results/churn.json and its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -33,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn.json"
 TTL = "6"
 HEADER = (
-    "| run | injected | completed | abandoned (reasons) | sent again | hops redone | stream retries | kills "
-    "| final loss | val loss | tokens/s | wall s |\n|" + "---|" * 12
+    "| run | injected | completed | abandoned (reasons) | sent again | recoveries | hops redone | stream retries "
+    "| kills (n) | final loss | val loss | tokens/s | wall s |\n|" + "---|" * 13
 )
 
 
@@ -48,7 +50,16 @@ def _done(path: Path) -> dict | None:
     return next((e for e in _events(path) if e["event"] == "done"), None)
 
 
-def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: int, timeout_s: float) -> dict:
+def _stage_of(peer) -> int | None:
+    """A peer's stage from its ready file (None until it is active)."""
+    if peer.stage is None and peer.ready_file is not None and peer.ready_file.exists():
+        peer.stage = json.loads(peer.ready_file.read_text())["stage"]
+    return peer.stage
+
+
+def run_swarm(
+    run_file: Path, workdir: Path, replicas: int, churn: bool, routing: str, seed: int, timeout_s: float
+) -> dict:
     run = load_run_config(str(run_file))
     swarm = LocalSwarm(workdir, log_level="INFO")
     rng = random.Random(seed)
@@ -60,7 +71,8 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: i
         def start_worker(*extra: str, wait: bool = False):
             stats = workdir / f"worker-{len(stats_files)}.json"
             stats_files.append(stats)
-            args = ("--role", "worker", "--record-ttl", TTL, "--threads", "1", "--stats-file", str(stats), *extra)
+            args = ("--role", "worker", "--record-ttl", TTL, "--threads", "1", "--routing", routing,
+                    "--stats-file", str(stats), *extra)  # fmt: skip
             return swarm.start_node([entry], *args, wait=wait)
 
         workers = [start_worker("--stage", str(s)) for s in range(1, run.pipeline.stages) for _ in range(replicas)]
@@ -69,7 +81,7 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: i
         progress = workdir / "progress.jsonl"
         data_stats = workdir / "data.json"
         swarm.start_node(
-            [entry], "--role", "data", "--record-ttl", TTL, "--threads", "1",
+            [entry], "--role", "data", "--record-ttl", TTL, "--threads", "1", "--routing", routing,
             "--progress-file", str(progress), "--stats-file", str(data_stats),
         )  # fmt: skip
         started = time.monotonic()
@@ -95,6 +107,8 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: i
                 next_kill = time.monotonic() + rng.uniform(12, 20)
             time.sleep(0.2)
         wall_s = time.monotonic() - started
+        for kill in kills:
+            kill["replacement_stage"] = _stage_of(kill.pop("replacement"))
         for worker in workers:
             if worker.alive:
                 swarm.stop(worker)
@@ -107,11 +121,14 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: i
     return {
         "replicas_per_stage": replicas,
         "churn": churn,
+        "routing": routing,
+        "replacements_on_the_killed_stage": sum(k["replacement_stage"] == k["stage"] for k in kills),
         "wall_s": round(wall_s, 1),
         "done": done,
         "kills": kills,
         "waiting_events": sum(1 for e in _events(progress) if e["event"] == "waiting"),
         "hops_redone": sum(s.get("recomputed", 0) for s in worker_stats),
+        "recomputes_delegated": sum(s.get("recomputes_delegated", 0) for s in worker_stats),
         "redo_seconds": round(sum(s.get("recompute_s", 0.0) for s in worker_stats), 2),
         "stream_retries": sum(s.get("stream_retries", 0) for s in worker_stats),
         "workers_reporting": len(worker_stats),
@@ -121,32 +138,46 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, churn: bool, seed: i
     }
 
 
+RUNS = (  # name, replicas per block stage, churn, routing
+    ("no faults, 1 replica", 1, False, "gwtf"),
+    ("no faults", 2, False, "gwtf"),
+    ("churn, GWTF", 2, True, "gwtf"),
+    ("churn, SWARM", 2, True, "swarm"),
+)
+
+
 def markdown(result: dict) -> str:
     rows = []
-    for name in ("no_faults", "churn"):
-        r = result[name]
+    for name, *_ in RUNS:
+        r = result["runs"][name]
         d = r["done"]
         reasons = ", ".join(f"{k}: {v}" for k, v in d["abandoned_reasons"].items()) or "none"
+        kills = f"{len(r['kills'])} ({r['replacements_on_the_killed_stage']})" if r["churn"] else "0"
         rows.append(
-            f"| {name.replace('_', ' ')} | {d['microbatches_injected']} | {d['microbatches_completed']} | "
-            f"{d['microbatches_abandoned']} ({reasons}) | {d['microbatches_resent']} | {r['hops_redone']} | "
-            f"{r['stream_retries']} | {len(r['kills'])} | {d['final_loss']:.3f} | {d['val_loss']:.3f} | "
+            f"| {name} | {d['microbatches_injected']} | {d['microbatches_completed']} | "
+            f"{d['microbatches_abandoned']} ({reasons}) | {d['microbatches_resent']} | {d['backward_recoveries']} | "
+            f"{r['hops_redone']} | {r['stream_retries']} | {kills} | {d['final_loss']:.3f} | {d['val_loss']:.3f} | "
             f"{d['tokens_per_s']:.0f} | {r['wall_s']:.0f} |"
         )
+    ratios = result["throughput_ratios"]
     return f"""## Churn: kill -9 and restart under load, against the same run without faults
 
-`{result["command"]}` ({result["steps"]} steps per run, {result["replicas"]} replicas per block stage,
-seed {result["seed"]}; a worker SIGKILLed every 12-20 s and a fresh node started 2 s later; record
-TTL {TTL} s). Hops redone and stream retries are counted by workers that shut down cleanly (killed
-ones take their counters with them).
+`{result["command"]}` ({result["steps"]} steps per run, seed {result["seed"]}; in the churn runs a
+random live worker is SIGKILLed every 12-20 s on the same seeded schedule and a fresh `shoal node`
+(no `--stage`) is started 2 s later; record TTL {TTL} s; 1 torch thread per process on 2 shared
+cores). "kills (n)": n replacements took the stage of the node just killed. "hops redone" and
+"stream retries" count what workers that shut down cleanly report (killed ones take their
+counters with them); "recoveries" is the data node's count of lost backward hops it had redone.
 
 {HEADER}
 {chr(10).join(rows)}
 
-Throughput under churn / without faults: **{result["throughput_ratio"]:.2f}**. Routing in the daemon is
-still capacity-weighted replica choice; GWTF and SWARM routing in real daemons are not built yet, so
-the paper's GWTF-vs-SWARM comparison is only in the simulator (see the scheduling section; the paper
-reports GWTF up to 45 % faster than SWARM under high churn).
+Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
+SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**
+(one run each: read it as a direction, not a median). The paper (gwtf.md) reports GWTF up to 45 % faster
+than SWARM under high churn, on simulated swarms of tens of nodes; this is five workers on loopback,
+where every link is alike and the difference between the policies is mostly which replica a hop is
+redone on.
 """
 
 
@@ -154,34 +185,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-config", default=str(ROOT / "shoal" / "runs" / "tiny.toml"))
     parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
+    results = {}
     with tempfile.TemporaryDirectory(prefix="shoal-churn-") as tmp:
         workdir = Path(tmp)
         run_file = workdir / "run.toml"
         run_file.write_text(load_run_config(args.run_config).replace({"train.steps": args.steps}).to_toml())
-        results = {}
-        for name, churn in (("no_faults", False), ("churn", True)):
-            (workdir / name).mkdir()
+        for i, (name, replicas, churn, routing) in enumerate(RUNS):
+            (workdir / str(i)).mkdir()
             print(f"{name}: {args.steps} steps ...", file=sys.stderr, flush=True)
-            results[name] = run_swarm(run_file, workdir / name, args.replicas, churn, args.seed, args.timeout)
+            results[name] = run_swarm(run_file, workdir / str(i), replicas, churn, routing, args.seed, args.timeout)
             print(json.dumps(results[name]["done"]), file=sys.stderr, flush=True)
-    same = [results[n]["done"]["steps"] for n in results]
-    assert same[0] == same[1] == args.steps, f"runs must train the same steps: {same}"
-    ratio = results["churn"]["train_tokens_per_s"] / results["no_faults"]["train_tokens_per_s"]
+    steps = {results[n]["done"]["steps"] for n in results}
+    assert steps == {args.steps}, f"runs must train the same steps: {steps}"
+    speed = {n: results[n]["train_tokens_per_s"] for n in results}
     result = {
         "command": "python benchmarks/churn.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
-        "replicas": args.replicas,
         "seed": args.seed,
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
-        "throughput_ratio": round(ratio, 3),
-        "loss_gap_final": round(results["churn"]["done"]["final_loss"] - results["no_faults"]["done"]["final_loss"], 4),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "throughput_ratios": {
+            "gwtf_churn_over_no_faults": round(speed["churn, GWTF"] / speed["no faults"], 3),
+            "swarm_churn_over_no_faults": round(speed["churn, SWARM"] / speed["no faults"], 3),
+            "gwtf_over_swarm_churn": round(speed["churn, GWTF"] / speed["churn, SWARM"], 3),
+        },
         "median_step_tokens_per_s": {n: statistics.median(t for _, t in results[n]["tokens_per_s"]) for n in results},
-        **results,
+        "runs": results,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))

@@ -9,7 +9,8 @@ import pytest
 
 from shoal.node.compute import BACKGROUND, BACKWARD, FORWARD, ComputeThread
 from shoal.node.ledger import MicrobatchLedger
-from shoal.planning.routing import choose_route, full_pipeline, pick_replica
+from shoal.planning.costs import CostModel
+from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import NodeInfo, SwarmView
 
 
@@ -57,16 +58,24 @@ def _node(peer: str, stage: int, throughput: float, state: str = "active") -> No
     return NodeInfo(peer_id=peer, role="worker", stage=stage, state=state, block_throughput=throughput, max_inflight=8)
 
 
-def test_routes_take_one_live_replica_per_stage_in_proportion_to_speed():
+def test_capacity_routes_take_one_live_replica_per_stage_in_proportion_to_speed():
     view = SwarmView(
         "run",
         3,
         (0, 2, 2),
-        (_node("fast", 1, 30.0), _node("slow", 1, 10.0), _node("b", 2, 5.0), _node("gone", 2, 99.0, state="leaving")),
+        (
+            NodeInfo(peer_id="data", role="data", stage=0, state="active", block_throughput=10.0, max_inflight=8),
+            _node("fast", 1, 30.0),
+            _node("slow", 1, 10.0),
+            _node("b", 2, 5.0),
+            _node("gone", 2, 99.0, state="leaving"),
+        ),
     )
-    assert choose_route(view, full_pipeline(view), {}) == ((1, "fast"), (2, "b"))
-    # load spreads in proportion to throughput: 3 on the fast replica cost what 1 costs on the slow one
-    assert pick_replica(view, 1, {"fast": 2}).peer_id == "fast"
-    assert pick_replica(view, 1, {"fast": 3}).peer_id == "slow"
-    assert pick_replica(view, 1, {}, exclude={"fast"}).peer_id == "slow"
-    assert choose_route(view, full_pipeline(view), {}, exclude={"b"}) is None
+    router = PeerRouter("capacity", CostModel(activation_bytes=1024))
+    router.update(Snapshot(view, "data"))
+    # load spreads in proportion to throughput: 3 in flight on the fast replica cost what 1 costs on the slow one
+    firsts = [router.route("data").hops for _ in range(4)]
+    assert firsts[0] == ((1, "fast"), (2, "b"))
+    assert [hops[0][1] for hops in firsts] == ["fast", "fast", "fast", "slow"]
+    assert router.route("data", exclude={"b"}) is None
+    assert view.stages_without_replica() == [] and view.without(["b"]).stages_without_replica() == [2]

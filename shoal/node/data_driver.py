@@ -23,7 +23,6 @@ from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forwar
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
 from shoal.planning.peer_router import Routed
-from shoal.planning.routing import full_pipeline
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -124,10 +123,10 @@ class DataDriver(PipelineEngine):
         started = last_report = time.monotonic()
         while True:
             view = self.node.view
-            if view is not None and all(view.replicas(s) for s in full_pipeline(view)):
+            if view is not None and not view.stages_without_replica():
                 return
             if view is not None and time.monotonic() - last_report >= report_s:
-                missing = [s for s in full_pipeline(view) if not view.replicas(s)]
+                missing = view.stages_without_replica()
                 logger.warning(
                     "[%s] waiting %.0f s for a replica of stage(s) %s before training",
                     self.node.short_id,
@@ -242,7 +241,7 @@ class DataDriver(PipelineEngine):
             if time.monotonic() >= deadline:
                 return None
             if view is not None and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
-                missing = [s for s in full_pipeline(view) if not view.replicas(s)]
+                missing = view.stages_without_replica()
                 self.waiting_for = missing
                 logger.warning("[%s] waiting for a live replica of stage(s) %s", self.node.short_id, missing)
                 self._progress({"event": "waiting", "stages": missing, "ledger": self.ledger.summary()})
@@ -272,7 +271,7 @@ class DataDriver(PipelineEngine):
             for attempt in range(MAX_ATTEMPTS):
                 route = await self._route()
                 if route is None:
-                    missing = [s for s in full_pipeline(self.node.view) if not self.node.view.replicas(s)]
+                    missing = self.node.view.stages_without_replica()
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
                 self.waiting_for = []

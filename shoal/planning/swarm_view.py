@@ -58,6 +58,10 @@ class SwarmView:
     def replicas(self, stage: StageIndex, exclude: PeerID | None = None) -> tuple[NodeInfo, ...]:
         return tuple(n for n in self.live_nodes() if n.stage == stage and n.peer_id != exclude)
 
+    def stages_without_replica(self) -> list[StageIndex]:
+        """The block stages no live node holds: until each has one, no microbatch can be routed."""
+        return [s for s in range(1, self.stages) if not self.replicas(s)]
+
     def stage_throughput(self, stage: StageIndex, exclude: PeerID | None = None) -> float:
         """Microbatches per second the live replicas of a block stage can process together."""
         blocks = max(1, self.blocks_per_stage[stage])
