@@ -94,16 +94,12 @@ def run_swarm(
                 victim = rng.choice(alive)
                 steps = [e["step"] for e in _events(progress) if e["event"] == "step"]
                 swarm.kill(victim)
-                kills.append(
-                    {
-                        "at_s": round(time.monotonic() - started, 1),
-                        "step": steps[-1] if steps else -1,
-                        "stage": victim.stage,
-                        "peer_id": victim.peer_id,
-                    }
-                )
+                kill = {"at_s": round(time.monotonic() - started, 1), "step": steps[-1] if steps else -1}
+                kill["stage"] = _stage_of(victim)
                 time.sleep(2.0)
-                workers.append(start_worker())  # no --stage: it must find the stage that is short
+                kill["replacement"] = start_worker()  # no --stage: it must find the stage that is short
+                workers.append(kill["replacement"])
+                kills.append(kill)
                 next_kill = time.monotonic() + rng.uniform(12, 20)
             time.sleep(0.2)
         wall_s = time.monotonic() - started

@@ -63,6 +63,24 @@ class DataConfig:
     val_fraction: float = 0.05
 
 
+AVERAGING_MODES = ("noloco", "diloco", "none")
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """How replicas of a stage share weights (papers/noloco.md). Defaults are NoLoCo's α, β, γ and
+    n; H is scaled to the tiny run (the paper's 50 of 25,000 steps would never sync in 150). For the
+    DiLoCo baseline use α 0.3, γ 0 (`shoal demo --averaging diloco` sets them)."""
+
+    mode: str = "noloco"  # noloco (random pairs), diloco (all-reduce over the stage's replicas), none
+    inner_steps: int = 10  # H: inner steps between outer steps
+    alpha: float = 0.5  # outer momentum
+    beta: float = 0.7  # outer learning rate
+    gamma: float = 0.7  # NoLoCo's pull toward the pair mean
+    group_size: int = 2  # NoLoCo's n
+    exchange_timeout_s: float = 10.0  # no partner by then: a local outer step
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny"
@@ -71,6 +89,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -196,6 +215,15 @@ def _validate(cfg: RunConfig) -> None:
     need(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
     need(o.grad_clip > 0, "optim.grad_clip", "must be positive")
     need(0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
+    a = cfg.averaging
+    need(a.mode in AVERAGING_MODES, "averaging.mode", f"must be one of {', '.join(AVERAGING_MODES)}, got {a.mode!r}")
+    need(a.mode != "diloco", "averaging.mode", "the DiLoCo all-reduce baseline is not built yet; use noloco or none")
+    need(a.inner_steps >= 1, "averaging.inner_steps", f"must be at least 1, got {a.inner_steps}")
+    need(0.0 <= a.alpha < 1.0, "averaging.alpha", f"must be in [0, 1), got {a.alpha}")
+    need(0.0 < a.beta <= 1.0, "averaging.beta", f"must be in (0, 1], got {a.beta}")
+    need(0.0 <= a.gamma <= 2.0, "averaging.gamma", f"must be in [0, 2], got {a.gamma}")
+    need(a.group_size == 2, "averaging.group_size", f"only pairs (2) are implemented, got {a.group_size}")
+    need(a.exchange_timeout_s > 0, "averaging.exchange_timeout_s", "must be positive")
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

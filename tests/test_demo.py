@@ -51,3 +51,7 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_pat
     states = [n["state"] for n in report["nodes"]]
     assert states.count("crashed") == 1 and states.count("stopped") == len(states) - 1
     assert all(n["exit_code"] == 0 for n in report["nodes"] if n["state"] == "stopped")
+    assert report["microbatches_abandoned"] == 0  # the crash cost re-sends and redone hops, not microbatches
+    averaging = report["averaging"]
+    assert averaging["mode"] == "noloco" and set(averaging["stages"]) == {"1", "2"}
+    assert all(stage["outer_steps"] >= 2 for stage in averaging["stages"].values())  # 24 steps, H = 10

@@ -35,6 +35,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "grad_norm": None,
         "waiting_for": [],
         "links": [],
+        "replica_distance": None,
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 @pytest.fixture
 def run_file(tmp_path):
-    return write_tiny_run(tmp_path, **{"train.steps": 8})
+    return write_tiny_run(tmp_path, **{"train.steps": 8, "averaging.mode": "none"})
 
 
 def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path):

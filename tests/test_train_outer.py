@@ -220,3 +220,17 @@ def test_diloco_config_refuses_noloco_only_knobs():
         OuterConfig.diloco(gamma=0.7)
     with pytest.raises(ConfigError, match="outer.group_size"):
         OuterConfig.diloco(group_size=2)
+
+
+def test_noloco_pairs_are_mutual_cover_everyone_but_the_odd_one_and_change_with_the_epoch():
+    from shoal.train.outer import noloco_partner
+
+    replicas = [f"peer{i}" for i in range(5)]
+    for epoch in range(4):
+        partners = {me: noloco_partner("run", 1, epoch, replicas, me) for me in replicas}
+        assert sum(p is None for p in partners.values()) == 1  # five replicas: two pairs and one alone
+        assert all(partners[p] == me for me, p in partners.items() if p is not None)  # mutual
+    draws = {tuple(sorted((m, p) for m, p in ((me, noloco_partner("run", 1, e, replicas, me)) for me in replicas) if p))
+             for e in range(8)}  # fmt: skip
+    assert len(draws) > 1  # redrawn every epoch
+    assert noloco_partner("run", 1, 0, ["a"], "a") is None and noloco_partner("run", 1, 0, ["a", "b"], "c") is None

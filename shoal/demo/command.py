@@ -3,6 +3,7 @@ real processes on loopback, training the bundled model with live progress and a 
 
     shoal demo                          # 1 data node + 2 workers per block stage, the `tiny` run
     shoal demo --crash-at-step 60       # SIGKILL one worker mid-run: the swarm routes around it
+    shoal demo --averaging none         # replicas never share weights (NoLoCo is the bundled run's default)
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="STEP",
         help="SIGKILL one stage worker (of a stage with a spare replica) at this step",
+    )
+    parser.add_argument(
+        "--averaging",
+        choices=("noloco", "none"),
+        default=None,
+        help="how replicas of a stage share weights (default: the run's, NoLoCo for the bundled run)",
     )
     parser.add_argument("--record-ttl", type=float, default=6.0, help="node record lifetime (s)")
     parser.add_argument("--report", default="demo-report", metavar="DIR", help="write report.json and loss.png here")
@@ -83,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from shoal.model.corpus import default_corpus_path
     from shoal.model.data import load_token_splits
 
+    if args.averaging is not None:
+        run_config = run_config.replace({"averaging.mode": args.averaging})
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = run_config.replace({"data.path": str(default_corpus_path())})
     console = Console(stderr=True)

@@ -30,11 +30,29 @@ def _node_row(peer, stats_path: Path) -> dict:
                 "bytes_sent": traffic.get("bytes_sent"),
                 "bytes_received": traffic.get("bytes_received"),
                 "peak_rss_mb": round(stats.get("peak_rss_bytes", 0) / 2**20, 1),
+                "averaging": engine.get("averaging"),
             }
         )
     else:
         row["state"] = "crashed" if peer.process.returncode not in (0, None) else "unknown"
     return row
+
+
+def averaging_summary(run: RunConfig, nodes: list[dict]) -> dict:
+    """Per block stage: outer steps taken (pairs and local) and each replica's distance to its partner
+    before every pair update, as [[inner step, distance], ...]."""
+    stages: dict[int, dict] = {}
+    for row in nodes:
+        averaging = row.get("averaging") or {}
+        if row.get("stage") in (None, 0) or averaging.get("mode") != "noloco":
+            continue
+        stage = stages.setdefault(row["stage"], {"outer_steps": 0, "local_steps": 0, "replica_distance": []})
+        stage["outer_steps"] += averaging.get("pair_steps", 0) + averaging.get("local_steps", 0)
+        stage["local_steps"] += averaging.get("local_steps", 0)
+        stage["replica_distance"] += averaging.get("replica_distance", [])
+    for stage in stages.values():
+        stage["replica_distance"].sort()
+    return {"mode": run.averaging.mode, "stages": {str(s): v for s, v in sorted(stages.items())}}
 
 
 def build_report(
@@ -65,6 +83,7 @@ def build_report(
         "nodes": [_node_row(p, stats_files[p.name]) for p in swarm.peers if p.name != "bootstrap"],
         "losses": [e["loss"] for e in steps],
     }
+    report["averaging"] = averaging_summary(run, report["nodes"])
     curve = [(e["step"], e["loss"]) for e in steps if e["loss"] is not None]
     return write_report(
         directory,

@@ -55,6 +55,7 @@ class NodeRecord(_Strict):
     # a data node's block stages that have no live replica while it waits for one
     waiting_for: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=4096), max_items=64)  # type: ignore[valid-type]
     links: pydantic.conlist(LinkRecord, max_items=MAX_LINKS)  # type: ignore[valid-type]
+    replica_distance: _finite | None  # type: ignore[valid-type]
 
 
 class RunRecord(_Strict):
@@ -87,6 +88,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         inner_step=record.inner_step,
         outer_epoch=record.outer_epoch,
         waiting_for=tuple(record.waiting_for),
+        replica_distance=record.replica_distance,
         links=tuple((link.peer_id, link.latency_s, link.bandwidth_Bps) for link in record.links),
         loss=record.loss,
         grad_norm=record.grad_norm,

@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", default="auto", help="auto (default), data or worker")
     parser.add_argument(
         "--routing",
-        default="gwtf",
-        help="gwtf (default: min-max path cost over measured links), swarm (each hop balances on its own "
-        "timings) or capacity (replica throughput only)",
+        default="auto",
+        help="auto (default: random replicas when the run averages with NoLoCo, else gwtf), gwtf (min-max "
+        "path cost over measured links), swarm (each hop balances on its own timings), capacity or random",
     )
     parser.add_argument("--stage", type=int, default=None, help="hold this block stage (default: the swarm's choice)")
     parser.add_argument(

@@ -19,7 +19,7 @@ class NodeConfig:
     run_config_path: str | None = None  # or from this file
     data_path: str | None = None  # overrides the run's data.path for this node
     role: str = "auto"
-    routing: str = "gwtf"  # gwtf (min-max path cost within capacity), swarm, or capacity
+    routing: str = "auto"  # auto (random with NoLoCo averaging, else gwtf), gwtf, swarm, capacity or random
     stage: int | None = None  # hold this block stage and never move (None: the swarm's choice)
     threads: int = 1
     max_inflight: int | None = None  # None: derived from free memory
@@ -42,8 +42,8 @@ class NodeConfig:
             raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.stage is not None and (self.stage < 1 or self.role == "data"):
             raise ConfigError("--stage", "must be a block stage (1 or more), for a worker")
-        if self.routing not in ("gwtf", "swarm", "capacity"):
-            raise ConfigError("--routing", f"must be gwtf, swarm or capacity, got {self.routing!r}")
+        if self.routing not in ("auto", "gwtf", "swarm", "capacity", "random"):
+            raise ConfigError("--routing", f"must be auto, gwtf, swarm, capacity or random, got {self.routing!r}")
         if self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
         if self.max_inflight is not None and self.max_inflight < 1:

@@ -98,6 +98,13 @@ def run_cost_model(run: RunConfig) -> CostModel:
     return CostModel(activation_bytes=t.microbatch_size * t.seq_len * m.d_model * DTYPE_SIZES[run.pipeline.wire_dtype])
 
 
+def routing_policy(config: NodeConfig, run: RunConfig) -> str:
+    """With NoLoCo, microbatches mix over random replicas (the paper's point); otherwise GWTF."""
+    if config.routing != "auto":
+        return config.routing
+    return "random" if run.averaging.mode == "noloco" else "gwtf"
+
+
 class Node:
     def __init__(self, config: NodeConfig, dht: SwarmDHT, run: RunConfig, block_throughput: float):
         self.config, self.dht, self.run = config, dht, run
@@ -110,8 +117,9 @@ class Node:
         self.outer_epoch = 0
         self.loss: float | None = None
         self.grad_norm: float | None = None
+        self.replica_distance: float | None = None  # to the last NoLoCo partner, before averaging
         self.view: SwarmView | None = None
-        self.router = PeerRouter(config.routing, run_cost_model(run), seed=dht.peer_id)
+        self.router = PeerRouter(routing_policy(config, run), run_cost_model(run), seed=dht.peer_id)
         self.links = LinkMonitor(dht.p2p, dht.peer_id)
         self.engine: StageWorker | DataDriver | None = None
         self.memory_samples: list[tuple[float, int]] = []
@@ -190,6 +198,7 @@ class Node:
             "updated_at": float(get_dht_time()),
             "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
             "links": self.links.advertised(),
+            "replica_distance": None if self.replica_distance is None else float(self.replica_distance),
         }
 
     async def publish(self) -> bool:
@@ -275,7 +284,12 @@ class Node:
             await driver.prepare()
             self.engine = driver
         else:
-            self.engine = StageWorker(self, self.stage)
+            worker = StageWorker(self, self.stage)
+            self.engine = worker
+            source = await worker.join_by_copy()  # before we announce ourselves active
+            if source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
+                logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
+                               self.short_id, self.stage)  # fmt: skip
 
     async def _train(self, driver: DataDriver) -> None:
         try:

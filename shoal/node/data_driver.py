@@ -70,7 +70,7 @@ class Outcome:
 COMPLETED = Outcome("completed")
 MAX_ATTEMPTS = 8
 WAIT_REPORT_S = 10.0
-STEP_CLOSE_TIMEOUT_S = 10.0
+STEP_CLOSE_TIMEOUT_S = 10.0  # on top of the run's averaging exchange timeout: a close may carry an outer step
 
 
 @dataclass
@@ -203,15 +203,19 @@ class DataDriver(PipelineEngine):
         )
 
     async def close_step(self, step: int, completed: int, abandoned: int) -> None:
-        """Tell every worker that served this step that it is over, and wait for their answers, so
-        that no microbatch of the next step reaches a worker before it has stepped."""
+        """Tell the workers that this step is over, and wait for their answers, so that no microbatch
+        of the next step reaches a worker before it has stepped (and, every H steps, averaged)."""
         close = StepClose(step=step, completed=completed, abandoned=abandoned)
-        live = {n.peer_id for n in self.node.view.live_nodes()} if self.node.view is not None else set()
-        peers = sorted(p for p in self.step_peers if p in live or not live)
+        view = self.node.view
+        live = {n.peer_id for n in view.live_nodes()} if view is not None else set()
+        workers = {n.peer_id for n in view.live_nodes() if n.stage > 0} if view is not None else set()
+        # every live worker hears it: replicas that served nothing this step still keep the outer-epoch clock
+        peers = sorted(p for p in self.step_peers | workers if p in live or not live)
 
         async def tell(peer: str) -> None:
             try:
-                await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=STEP_CLOSE_TIMEOUT_S)
+                timeout_s = STEP_CLOSE_TIMEOUT_S + 2 * self.run.averaging.exchange_timeout_s
+                await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=timeout_s)
             except Exception as e:
                 logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)
 

@@ -16,9 +16,11 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
+    GossipRequest,
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    StageCopyRequest,
     StepClose,
 )
 
@@ -71,3 +73,16 @@ class PipelineService:
         return (
             Ack(accepted=False, reason="not served here") if handler is None else await handler(close, peer.to_base58())
         )
+
+    async def rpc_gossip(self, request: GossipRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
+        handler = self._handler("on_gossip")
+        if handler is None:
+            return Ack(accepted=False, reason="this node averages no stage")
+        return await handler(request, stream, peer.to_base58())
+
+    async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
+        handler = self._handler("on_copy_stage")
+        if handler is None:
+            return Ack(accepted=False, reason="this node holds no block stage")
+        await handler(request, stream, peer.to_base58())
+        return None

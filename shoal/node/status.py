@@ -84,6 +84,7 @@ def summarize(run, view) -> dict[str, Any]:
                 "expires_in_s": max(0.0, n.expires_at - now),
                 "maddrs": list(n.maddrs),
                 "waiting_for": list(n.waiting_for),
+                "replica_distance": n.replica_distance,
             }
         )
     stages = [

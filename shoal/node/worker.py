@@ -21,23 +21,29 @@ from dataclasses import dataclass, replace
 import torch
 
 from shoal.model.stages import build_stage
+from shoal.node.averaging import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
-from shoal.node.transport import FramedStream, call
+from shoal.node.transport import FramedStream, call, open_call, read_reply
+from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
     BackwardRequest,
     ForwardRequest,
+    GossipRequest,
     Hop,
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    StageCopy,
+    StageCopyRequest,
     StepClose,
     check_hop,
 )
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
+from shoal.train.outer import check_partner_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,8 @@ class StageWorker(PipelineEngine):
         self.recomputed = 0
         self.recompute_s = 0.0
         self.expired = 0
+        self.copies_served = 0
+        self.averager = NoLoCoAverager(self) if run.averaging.mode == "noloco" else None
 
     @property
     def busy(self) -> bool:
@@ -309,11 +317,90 @@ class StageWorker(PipelineEngine):
 
     async def on_step_close(self, close: StepClose, sender: str) -> Ack:
         """A data node's step is over. Step once every data node whose gradient we hold has closed one
-        since our last step (with one data node: exactly at its step boundary)."""
+        since our last step (with one data node: exactly at its step boundary). Every H steps of the
+        data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch."""
         if sender in self.contributors:
             self.closed.add(sender)
             await self._maybe_step()
+        epoch = self.averager.due(close.step) if self.averager is not None else None
+        if epoch is not None:
+            if self.live_graphs == 0 and not self.contributors:
+                await self.averager.outer_step(epoch)
+            else:
+                logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.node.short_id, epoch)
         return Ack(accepted=True)
+
+    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
+        if self.averager is None:
+            return Ack(accepted=False, reason="this run does not average with NoLoCo")
+        return await self.averager.on_gossip(request, stream, sender)
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        theta = [p.detach().clone() for p in self.module.parameters()]
+        phi = list(self.averager.state.phi) if self.averager is not None else theta
+        return theta, phi
+
+    async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
+        """A node joining our stage copies our weights (θ and φ) before it serves."""
+        if request.stage != self.stage:
+            await stream.write_message(Ack(accepted=False, reason=f"this node holds stage {self.stage}"))
+            return
+        theta, phi = await self.compute(self._snapshot, priority=BACKWARD)
+        epoch = self.averager.epoch if self.averager is not None else 0
+        await stream.write_message(Ack(accepted=True))
+        await stream.write_message(
+            StageCopy(inner_step=self.optimizer.step_count, outer_epoch=epoch, tensors=len(theta))
+        )
+        for tensor in (*theta, *phi):
+            await stream.write_tensor(tensor, "float32")
+        self.copies_served += 1
+
+    async def join_by_copy(self) -> str | None:
+        """Before serving a stage that has a live replica, take its weights; returns whom we copied."""
+        view = self.node.view
+        sources = [n for n in view.replicas(self.stage) if n.state == "active" and n.peer_id != self.node.peer_id]
+        for source in sorted(sources, key=lambda n: -n.inner_step):
+            try:
+                await self._copy_from(source.peer_id)
+                return source.peer_id
+            except Exception as e:
+                logger.warning("[%s] could not copy stage %d from %s: %s", self.node.short_id, self.stage,
+                               source.peer_id[-8:], e)  # fmt: skip
+        return None
+
+    async def _copy_from(self, peer: str) -> None:
+        stream = await open_call(self.node.dht.p2p, peer, "rpc_copy_stage", self.node.config.rpc_timeout_s)
+        try:
+            await stream.write_message(StageCopyRequest(stage=self.stage))
+            ack = await read_reply(stream, Ack)
+            if not ack.accepted:
+                raise RuntimeError(ack.reason)
+            header = await read_reply(stream, StageCopy)
+            ours = [p.detach() for p in self.module.parameters()]
+            if header.tensors != len(ours):
+                raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(ours)}")
+            received = []
+            for reference in (*ours, *ours):
+                spec = TensorSpec("float32", tuple(reference.shape))
+                received.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
+        finally:
+            stream.close()
+        theta, phi = received[: len(ours)], received[len(ours) :]
+        check_partner_tensors(theta, ours, "copied weights", dtype=torch.float32)
+        check_partner_tensors(phi, ours, "copied slow weights", dtype=torch.float32)
+        await self.compute(self._load_copy, theta, header.inner_step, priority=BACKWARD)
+        if self.averager is not None:
+            self.averager.adopt(phi, header.outer_epoch)
+            self.node.outer_epoch = header.outer_epoch
+        self.node.inner_step = header.inner_step
+        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", self.node.short_id, self.stage,
+                    peer[-8:], header.inner_step, header.outer_epoch)  # fmt: skip
+
+    def _load_copy(self, theta: list[torch.Tensor], inner_step: int) -> None:
+        with torch.no_grad():
+            for param, value in zip(self.module.parameters(), theta, strict=True):
+                param.copy_(value)
+        self.optimizer.step_count = inner_step  # the learning-rate schedule goes on from there
 
     async def _maybe_step(self) -> None:
         """Step if due and no saved graph waits for its gradient: AdamW updates weights in place,
@@ -383,4 +470,6 @@ class StageWorker(PipelineEngine):
             "recompute_s": round(self.recompute_s, 3),
             "recomputes_delegated": self.recomputes_delegated,
             "stream_retries": self.stream_retries,
+            "copies_served": self.copies_served,
+            "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
         }

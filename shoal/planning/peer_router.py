@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from shoal.planning.assignment import Candidate, choose_stage, takes_data_role
 from shoal.planning.costs import CostModel
 from shoal.planning.from_view import swarm_from_view
+from shoal.planning.mixing import RandomPolicy
 from shoal.planning.policy import Policy, make_policy
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
-from shoal.planning.swarm_view import PeerID, StageIndex, SwarmView
+from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmView
 
 Link = tuple[float, float]  # (one-way latency s, bandwidth B/s)
 PeerRoute = tuple[tuple[StageIndex, PeerID], ...]
-ROUTING_POLICIES = ("gwtf", "swarm", "capacity")
+ROUTING_POLICIES = ("gwtf", "swarm", "capacity", "random")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,10 @@ class PeerRouter:
     def __init__(self, policy_name: str, cost: CostModel, seed: int | str = 0):
         if policy_name not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {policy_name!r}; choose from {', '.join(ROUTING_POLICIES)}")
-        self.policy: Policy = make_policy(policy_name, cost, random.Random(f"route:{seed}"), allocate=False)
+        rng = random.Random(f"route:{seed}")
+        self.policy: Policy = (
+            RandomPolicy(cost, rng) if policy_name == "random" else make_policy(policy_name, cost, rng, allocate=False)
+        )
         self.cost = cost
         self.swarm: Swarm | None = None
         self._next_id = itertools.count()
@@ -67,13 +71,16 @@ class PeerRouter:
         return self.policy.hop_by_hop
 
     def update(self, snapshot: Snapshot) -> None:
-        """Take a new snapshot; the policy re-plans only when the set of live peers changed."""
+        """Take a new snapshot; the policy re-plans only when the set of active peers changed. A peer
+        still joining (copying its stage's weights) is not routed to until it says it is active."""
         for node in snapshot.view.live_nodes():
             if node.peer_id not in self.ids:
                 self.ids[node.peer_id] = next(self._next_id)
                 self.peers[self.ids[node.peer_id]] = node.peer_id
-        self.swarm, _ = swarm_from_view(snapshot.view, self.cost, snapshot.links, node_ids=self.ids)
-        members = frozenset(n.peer_id for n in snapshot.view.live_nodes())
+        joining = [n.peer_id for n in snapshot.view.nodes if n.state != STATE_ACTIVE and n.peer_id != snapshot.me]
+        view = snapshot.view.without(joining)
+        self.swarm, _ = swarm_from_view(view, self.cost, snapshot.links, node_ids=self.ids)
+        members = frozenset(n.peer_id for n in view.live_nodes())
         if members != self._members and all(self.swarm.by_stage[1:]):
             if self.replans == 0:
                 self.policy.start(self.swarm, 0)

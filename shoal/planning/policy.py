@@ -35,7 +35,6 @@ class Policy:
     name = "policy"
     hop_by_hop = False  # True: the next hop is chosen when a microbatch leaves a node
     detours = False  # True: a planned next hop that is full may be swapped for a replica with room
-    restart_on_backward_loss = False  # True: a hop lost in backward restarts the microbatch
 
     def __init__(self, cost: CostModel, rng: random.Random) -> None:
         self.cost, self.rng = cost, rng
@@ -152,11 +151,11 @@ class GwtfPolicy(Policy):
 
 
 class SwarmPolicy(Policy):
-    """SWARM: hop-by-hop choice by each sender's balancer; a backward loss restarts the microbatch."""
+    """SWARM: hop-by-hop choice by each sender's balancer; a lost hop, forward or backward, is retried on
+    another replica the balancer picks (as its public client does), so only that hop is redone."""
 
     name = "swarm"
     hop_by_hop = True
-    restart_on_backward_loss = True
 
     def __init__(self, cost: CostModel, rng: random.Random) -> None:
         super().__init__(cost, rng)

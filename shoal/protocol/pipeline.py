@@ -114,3 +114,33 @@ def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> N
         low, high = 0, len(request.route) - 1
     if not low <= request.hop <= high:
         raise MalformedMessage(f"hop {request.hop} outside a route of {len(request.route)} hops")
+
+
+@message("gossip")
+class GossipRequest:
+    """NoLoCo: exchange slow weights φ and pseudo-gradients θ − φ for outer epoch `epoch` of `stage`.
+
+    Followed by `tensors` tensors of φ, then `tensors` of θ − φ; the reply is an Ack, then (if
+    accepted) the partner's φ and θ − φ in the same order. Both sides then apply the same pair update.
+    """
+
+    stage: int
+    epoch: int
+    tensors: int
+
+
+@message("copy_stage")
+class StageCopyRequest:
+    """A node joining `stage` asks a live replica for its weights before it serves."""
+
+    stage: int
+
+
+@message("stage_copy")
+class StageCopy:
+    """The answer to a StageCopyRequest: the replica's counters, then `tensors` tensors of θ and the
+    same number of φ (its slow weights)."""
+
+    inner_step: int
+    outer_epoch: int
+    tensors: int

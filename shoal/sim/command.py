@@ -24,7 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=None, help="default: the scenario's (gcp12: 20)")
     parser.add_argument("--stages", type=int, default=None, help="default: the scenario's (gcp12: 6)")
     parser.add_argument("--skip", type=float, default=None, help="share of block stages a path skips (gcp12: 0.33)")
-    parser.add_argument("--churn", type=float, default=0.0, help="crash + leave events per node per hour")
+    parser.add_argument(
+        "--churn", type=float, default=0.0, help="crash + leave events per node per hour (block-stage nodes only)"
+    )
+    parser.add_argument("--churn-data-nodes", action="store_true", help="churn takes data nodes too")
+    parser.add_argument(
+        "--heartbeat", type=float, default=10.0, help="seconds between load adverts and view reads (0: omniscient)"
+    )
+    parser.add_argument(
+        "--replan", type=float, default=1.0, help="seconds a re-plan takes once a heartbeat saw a change"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--microbatches", type=int, default=None, help="default: the scenario's per iteration (30)")
     parser.add_argument(
@@ -61,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         stages=args.stages,
         skip=args.skip,
         churn=args.churn,
+        churn_data_nodes=args.churn_data_nodes,
+        heartbeat_s=args.heartbeat,
+        replan_s=args.replan,
         seed=args.seed,
         microbatches=args.microbatches,
         collision_aware=not args.no_collision_avoidance,

@@ -7,8 +7,9 @@ admitting the activation until that microbatch's backward there ends; an activat
 node waits for room. Without a plan, a node runs backward before forward and otherwise first come,
 first served; with a collision-aware plan, it never starts a task before its planned time.
 
-Every choice of where a microbatch goes is asked of the policy (`shoal/planning/policy.py`);
-churn and recovery live in `faults.py`.
+Every choice of where a microbatch goes is asked of the policy (`shoal/planning/policy.py`), with
+what a node would know: loads as last advertised and a plan that lags the view (`knowledge.py`).
+Churn and recovery live in `faults.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shoal.planning.policy import Policy
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
 from shoal.sim.churn import ChurnConfig, ChurnProcess
 from shoal.sim.faults import FaultsMixin
+from shoal.sim.knowledge import KnowledgeMixin
 from shoal.sim.metrics import SimResult
 from shoal.sim.state import ORIGIN, Microbatch, Node, Task
 
@@ -36,6 +38,8 @@ class SimConfig:
     failure_timeout_s: float = 5.0  # a sender gives up on a silent peer after this long
     join_warmup_s: float = 30.0  # a joining node copies its stage's weights before serving
     jitter: float = 0.0  # sigma of a lognormal factor on every compute time (0: exact)
+    heartbeat_s: float = 10.0  # loads are advertised, and views re-read, this often (0: exact and instant)
+    replan_s: float = 1.0  # from the heartbeat that sees a view change until the new plan is used
     max_time_s: float = 1e7
     churn: ChurnConfig = ChurnConfig()
     scripted: tuple[tuple[float, str, NodeId], ...] = ()  # (time, "crash" | "leave", node): faults on cue
@@ -44,7 +48,7 @@ class SimConfig:
 Spawn = Callable[[NodeId, random.Random], PlanNode]  # a joining node's description (stage ignored)
 
 
-class Simulator(FaultsMixin):
+class Simulator(FaultsMixin, KnowledgeMixin):
     """One run of one policy over one swarm. Build, call `run()` once, read the `SimResult`."""
 
     def __init__(
@@ -94,7 +98,9 @@ class Simulator(FaultsMixin):
                 self.pending.setdefault(route.origin, deque()).append(mb_id)
         else:
             self.continuous = True
-        self.churn = ChurnProcess(self.config.churn, len(view.nodes), random.Random(self.rng.random()))
+        churnable = sum(1 for n in view.nodes if n.stage != 0 or self.config.churn.data_nodes)
+        self.churn = ChurnProcess(self.config.churn, churnable, random.Random(self.rng.random()))
+        self._start_knowledge()
         self._schedule_churn()
         for time_s, kind, node_id in self.config.scripted:
             if kind not in ("crash", "leave"):
@@ -132,12 +138,16 @@ class Simulator(FaultsMixin):
 
     # -- injection -------------------------------------------------------------------------------
 
-    def _create(self, origin: NodeId, hops: tuple[NodeId, ...], timing, status: str) -> Microbatch:
+    def _create(
+        self, origin: NodeId, hops: tuple[NodeId, ...], timing, status: str, injected: tuple[NodeId, ...] | None = None
+    ) -> Microbatch:
+        """A new microbatch on `hops`; `injected` is the route as the policy handed it out, if other."""
         mb_id = len(self.mbs)
         k = len(hops) if hops or not self.policy.hop_by_hop else self.view.stages - 1
         route: list[NodeId | None] = list(hops) if hops else [None] * k
         stages = [self.view.node(h).stage for h in hops] if hops else list(range(1, k + 1))
-        mb = Microbatch(mb_id, origin, route, stages, timing, tuple(hops), status=status)
+        handed_out = tuple(hops) if injected is None else injected
+        mb = Microbatch(mb_id, origin, route, stages, timing, handed_out, status=status)
         if timing is not None:
             mb.planned = set(range(ORIGIN, len(hops)))
         self.mbs[mb_id] = mb
@@ -154,10 +164,14 @@ class Simulator(FaultsMixin):
             if self.continuous:
                 if self.stats["completed"] + self.live_count >= self.config.microbatches:
                     return
-                hops = self.policy.new_route(origin, self.view)
-                if hops is None:
+                planned = self.policy.new_route(origin, self.view)
+                if planned is None:
                     return
-                mb = self._create(origin, hops, None, status="active")
+                hops = self._in_view(origin, planned)
+                if hops is None:
+                    self.policy.finished(origin, planned)
+                    return
+                mb = self._create(origin, hops, None, status="active", injected=planned)
             else:
                 queue = self.pending.get(origin)
                 if not queue:
@@ -269,7 +283,7 @@ class Simulator(FaultsMixin):
         planned = mb.route[pos]
         if planned is not None and pos not in mb.planned and self.policy.detours:
             after = mb.route[pos + 1] if pos + 1 < len(mb.route) else mb.origin
-            load = {n.node_id: len(n.resident) + len(n.waiting) for n in self.nodes.values()}
+            load = self.known_load()  # the sender's neighbours' adverts, not their load now
             mb.route[pos] = self.policy.detour(
                 self.view,
                 mb.stages[pos],

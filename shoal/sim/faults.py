@@ -1,17 +1,22 @@
 """Churn in the simulator: crashes, leaves and joins, and how each lost hop is recovered.
 
-A crash is silent: the node's current work and everything it holds are gone, and peers learn of
-it only when a send or an expected reply times out (`failure_timeout_s`), which is also when it
-drops out of every planner's view. A leave is announced: the node leaves the view at once, admits
-nothing new, bounces activations waiting for its memory, and goes when it holds nothing. A join
-takes the stage its policy places it in and serves after `join_warmup_s`.
+Churn events take block-stage nodes only, unless the churn config asks for data nodes too (see
+`churn.py`); scripted faults take whichever node they name. A crash is silent: the node's current
+work and everything it holds are gone, and peers learn of it only when a send or an expected reply
+times out (`failure_timeout_s`), which is also when it drops out of the view. A leave is announced:
+the node leaves the view at once, admits nothing new, bounces activations waiting for its memory,
+and goes when it holds nothing. A join takes the stage its policy places it in and serves after
+`join_warmup_s`. A plan made from the view follows it only after a re-plan (`knowledge.py`).
 
-Recovery (DESIGN 4, GWTF): a lost forward hop is re-sent from the nearest upstream node that still
-holds the microbatch to a replacement the policy picks; a hop lost before its backward is
-recomputed on a replacement from that upstream activation while the downstream gradient is
-re-sent, so only the lost hops are redone. SWARM's rule instead restarts the microbatch from its
-data node. A microbatch whose data node dies is abandoned with that reason; none is ever dropped
-without one.
+Recovery, the same for every policy (DESIGN 4; GWTF; SWARM's public code, whose client keeps a
+stage's inputs and, when a backward call fails, sends inputs and output gradient to another replica,
+which recomputes that stage's forward and runs its backward): a lost forward hop is re-sent from the
+nearest upstream node that still holds the microbatch to a replacement the policy picks; a hop lost
+before its backward is recomputed on a replacement from that upstream activation while the
+downstream gradient is re-sent, so only the lost hops are redone, and the compute they had done is
+counted as wasted. A microbatch restarts from its data node only when the node holding the gradient
+to re-send died too. A microbatch whose data node dies is abandoned with that reason; none is ever
+dropped without one.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class FaultsMixin:
         else:
             victim = self._pick_victim(event.pick)
             if victim is None:
-                self.churn_counts["suppressed"] += 1  # it would have emptied a stage
+                self.churn_counts["suppressed"] += 1  # it would have emptied a stage (or none may go)
             elif event.kind == "crash":
                 self.crash(victim)
             else:
@@ -52,12 +57,15 @@ class FaultsMixin:
             (self.crash if kind == "crash" else self.leave)(node)
 
     def _pick_victim(self, pick: float) -> Node | None:
-        """A uniformly drawn live node whose stage keeps at least one other live node."""
+        """A uniformly drawn live block-stage node (or any live node, if churn takes data nodes too)
+        whose stage keeps at least one other live node."""
         serving = [n for n in self.nodes.values() if n.alive and n.accepting]
         per_stage: dict[int, int] = {}
         for n in serving:
             per_stage[n.info.stage] = per_stage.get(n.info.stage, 0) + 1
-        candidates = sorted((n for n in serving if per_stage[n.info.stage] >= 2), key=lambda n: n.node_id)
+        takes_data = self.config.churn.data_nodes
+        eligible = (n for n in serving if per_stage[n.info.stage] >= 2 and (takes_data or n.info.stage != 0))
+        candidates = sorted(eligible, key=lambda n: n.node_id)
         return candidates[int(pick * len(candidates))] if candidates else None
 
     # -- the three events --------------------------------------------------------------------------
@@ -75,6 +83,8 @@ class FaultsMixin:
         else:
             self.churn_counts["crash_idle"] += 1
         affected = set(node.resident) | {w[1] for w in node.waiting} | ({task.mb} if task else set())
+        # and activations that reached it but are held back until their planned start
+        affected |= {mb.mb_id for mb in self.mbs.values() if mb.live and mb.step_node == node.node_id}
         node.waiting.clear()
         node.queue.clear()
         node.resident.clear()
@@ -138,7 +148,7 @@ class FaultsMixin:
             n.info for n in sorted(self.nodes.values(), key=lambda n: n.node_id) if n.node_id not in self.hidden
         )
         self.view = self.view.with_nodes(serving)
-        self.policy.view_changed(self.view)
+        self._view_changed()
 
     # -- recovery ----------------------------------------------------------------------------------
 
@@ -151,10 +161,7 @@ class FaultsMixin:
         if kind == "fwd" and hop != ORIGIN:
             self._recover_forward(mb, hop)
         elif kind == "bwd" and hop != ORIGIN:
-            if self.policy.restart_on_backward_loss:
-                self.restart(mb)
-            else:
-                self._recover_backward(mb, hop)
+            self._recover_backward(mb, hop)
         else:
             self.abandon(mb, "data node lost")
 
@@ -173,7 +180,7 @@ class FaultsMixin:
         """New nodes for positions first..last (their work is lost); False if a stage has nobody left."""
         # what the recovering node knows: the view's departures, and the hops it just found dead
         exclude = self.hidden | {mb.route[p] for p in range(first, last + 1) if mb.route[p] is not None}
-        load = {n.node_id: len(n.resident) for n in self.nodes.values()}
+        load = self.known_load()  # the replicas' adverts, not their load now
         for pos in range(first, last + 1):
             prev = self._holder(mb, pos - 1)
             after = mb.route[pos + 1] if pos + 1 < len(mb.route) else None

@@ -17,7 +17,7 @@ class SimResult:
     abandoned: int
     abandoned_reasons: dict[str, int]
     recomputed_hops: int  # stage computations done again after a loss
-    restarted: int  # microbatches restarted from their data node (SWARM's backward-loss rule)
+    restarted: int  # microbatches restarted from their data node (a lost hop whose re-sendable gradient died too)
     wasted_compute_s: float  # compute whose result was lost (crashed work, recomputed or restarted hops)
     busy_s: float  # compute seconds, summed over nodes
     idle_s: float  # live node-seconds without compute inside the makespan, summed over nodes

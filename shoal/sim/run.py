@@ -31,7 +31,8 @@ class RunSpec:
     nodes: int | None = None  # None: the scenario's own (gcp12: 20)
     stages: int | None = None  # None: the scenario's own (gcp12: 6)
     skip: float | None = None  # None: the scenario's (gcp12: 0.33)
-    churn: float = 0.0  # crash + leave events per node per hour
+    churn: float = 0.0  # crash + leave events per node per hour (block-stage nodes only, unless churn_data_nodes)
+    churn_data_nodes: bool = False  # True: churn takes data nodes too (which joiners never replace)
     seed: int = 0
     microbatches: int | None = None  # None: the scenario's microbatches per iteration (gcp12: 30)
     collision_aware: bool = True
@@ -42,6 +43,8 @@ class RunSpec:
     jitter: float = 0.0
     failure_timeout_s: float = 5.0
     join_warmup_s: float = 30.0
+    heartbeat_s: float = 10.0  # loads advertised and views re-read this often (0: exact loads, instant re-plans)
+    replan_s: float = 1.0  # a re-plan's time once a heartbeat has seen the view change
     network: Scenario | None = None  # overrides the loaded scenario (e.g. with a corrected link)
 
 
@@ -73,6 +76,8 @@ def simulate(spec: RunSpec) -> SimResult:
         raise UsageError(f"unknown policy {spec.policy!r}; choose from {', '.join(POLICIES)}")
     if spec.churn < 0:
         raise UsageError("--churn must be >= 0 (events per node per hour)")
+    if spec.heartbeat_s < 0 or spec.replan_s < 0:
+        raise UsageError("--heartbeat and --replan must be >= 0 seconds")
     scenario, swarm = build_swarm(spec)
     skip = scenario.skip if spec.skip is None else spec.skip
     if not 0.0 <= skip < 1.0:
@@ -96,7 +101,9 @@ def simulate(spec: RunSpec) -> SimResult:
         failure_timeout_s=spec.failure_timeout_s,
         join_warmup_s=spec.join_warmup_s,
         jitter=spec.jitter,
-        churn=ChurnConfig(rate_per_node_hour=spec.churn),
+        heartbeat_s=spec.heartbeat_s,
+        replan_s=spec.replan_s,
+        churn=ChurnConfig(rate_per_node_hour=spec.churn, data_nodes=spec.churn_data_nodes),
     )
     if config.microbatches < 1:
         raise UsageError("--microbatches must be at least 1")

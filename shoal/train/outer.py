@@ -30,7 +30,9 @@ float32 on the parameters' device.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +169,22 @@ def diloco_step(state: OuterState, mean_delta: Tensors, config: OuterConfig) -> 
     check_partner_tensors(mean_delta, state.phi, "averaged pseudo-gradient")
     mean_delta = [d.to(p) for d, p in zip(mean_delta, state.phi, strict=True)]  # float32, on φ's device
     return _heavy_ball(state, mean_delta, None, config.alpha, config.beta, 0.0)
+
+
+def noloco_partner(run_id: str, stage: int, epoch: int, replicas: Sequence[str], me: str) -> str | None:
+    """My NoLoCo partner for `epoch` among the live `replicas` of a stage (me included), or None for
+    the odd one out. As in the authors' code, a permutation seeded by the step pairs entry k with
+    k + n/2; the seed here is (run, stage, epoch), so every replica with the same view draws the same
+    pairs and no message is needed to agree on them."""
+    if me not in replicas or len(replicas) < 2:
+        return None
+    seed = int.from_bytes(hashlib.sha256(f"{run_id}:{stage}:{epoch}".encode()).digest()[:8], "big")
+    order = sorted(set(replicas))
+    random.Random(seed).shuffle(order)
+    half, k = len(order) // 2, order.index(me)
+    if k < half:
+        return order[k + half]
+    return order[k - half] if k < 2 * half else None
 
 
 def load_slow_weights(module: nn.Module, state: OuterState) -> None:

@@ -1,0 +1,239 @@
+"""NoLoCo in the daemon: every H inner steps a stage replica averages with one random live replica of
+its stage over one stream, and both apply the same pair update (shoal/train/outer.py).
+
+The epoch clock is the data node's: its step close for step t ends outer epoch (t + 1) / H when
+that divides, and every live worker receives it, so replicas reach an epoch together even when one
+of them served no microbatch of the last step. Pairs are drawn from a permutation seeded by (run,
+stage, epoch) over the stage's live replicas as each node sees them (as the authors' code pairs
+entry k with k + n/2); the lower peer id of a pair calls. A replica accepts one exchange per
+epoch, from whoever asks first, so two replicas whose views disagree still pair or fall back
+cleanly: a node with no partner before the deadline takes a local outer step and never waits on the
+swarm longer than that. Tensors from a partner are checked (count, shape, dtype, finite) before
+they touch anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.node.compute import BACKWARD
+from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
+from shoal.protocol.errors import BadTensor, ProtocolError
+from shoal.protocol.pipeline import Ack, GossipRequest
+from shoal.protocol.tensors import TensorSpec
+from shoal.train.outer import (
+    OuterConfig,
+    OuterState,
+    check_partner_tensors,
+    load_slow_weights,
+    local_step,
+    noloco_partner,
+    noloco_step,
+    pseudo_gradient,
+    replica_distance,
+)
+
+if TYPE_CHECKING:
+    from shoal.node.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+WIRE_DTYPE = "float32"  # both sides must compute bit-identical means
+
+
+class NoLoCoAverager:
+    def __init__(self, worker: StageWorker):
+        self.worker = worker
+        self.node = worker.node
+        averaging = self.node.run.averaging
+        self.config = OuterConfig.noloco(
+            alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
+        )
+        self.timeout_s = averaging.exchange_timeout_s
+        self.state = OuterState.from_module(worker.module)
+        self.epoch = 0  # outer epochs finished
+        self._offer: asyncio.Future | None = None  # our (phi, delta) for the epoch in progress
+        self._offer_epoch = -1
+        self._answered: asyncio.Future | None = None  # a partner's (phi, delta), once exchanged
+        self.pair_steps = 0
+        self.local_steps = 0
+        self.refused = 0
+        self.exchange_s: list[float] = []  # wall time of each pair exchange (offer ready -> partner's tensors in)
+        self.distances: list[tuple[int, float]] = []  # (inner step, ‖θ − θ_partner‖ just before averaging)
+
+    def due(self, closed_step: int) -> int | None:
+        """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
+        epoch, rest = divmod(closed_step + 1, self.config.inner_steps)
+        return epoch if rest == 0 and epoch > self.epoch else None
+
+    def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
+        """Take a live replica's slow weights (joining by copy)."""
+        self.state = OuterState.from_tensors(phi)
+        self.epoch = epoch
+
+    # ---- one outer step ---------------------------------------------------------------------------
+
+    async def outer_step(self, epoch: int) -> None:
+        """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
+        worker = self.worker
+        delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
+        loop = asyncio.get_running_loop()
+        self._answered = loop.create_future()
+        self._offer = loop.create_future()
+        self._offer.set_result((list(self.state.phi), delta))
+        self._offer_epoch = epoch
+        try:
+            await self.node.refresh_view()  # a fresh list of the stage's replicas: pairs are drawn from it
+        except Exception as e:
+            logger.info("[%s] epoch %d: could not refresh the view (%r)", self.node.short_id, epoch, e)
+        partner = self._partner(epoch)
+        theirs = None
+        started = time.monotonic()
+        try:
+            # The lower id calls at once; the higher waits a while, then calls (our views of the stage
+            # may differ); one that sees no partner waits the whole time for whoever asks.
+            if partner is None:
+                theirs = await self._wait_for_call(self.timeout_s)
+            elif self.node.peer_id < partner:
+                theirs = await self._call(partner, epoch, list(self.state.phi), delta)
+                theirs = theirs or await self._wait_for_call(self.timeout_s / 2)
+            else:
+                theirs = await self._wait_for_call(self.timeout_s / 3)
+                theirs = theirs or await self._call(partner, epoch, list(self.state.phi), delta)
+        except (TimeoutError, ProtocolError, ConnectionError, RemoteError, OSError) as e:
+            logger.info("[%s] epoch %d: exchange failed (%r)", self.node.short_id, epoch, e)
+        finally:
+            self._offer_epoch = -1  # late requests for this epoch are refused from here on
+        if theirs is None and self._answered.done():
+            theirs = self._answered.result()
+        if theirs is None:
+            logger.info("[%s] epoch %d: no partner in time; local outer step", self.node.short_id, epoch)
+        if theirs is not None:
+            self.exchange_s.append(time.monotonic() - started)
+        await self._apply(epoch, delta, theirs)
+
+    async def _wait_for_call(self, timeout_s: float):
+        """A partner's tensors if one calls us within `timeout_s` (our views of the stage may differ:
+        whoever sees a partner asks, and the other side answers whoever asks first)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._answered), timeout_s)
+        except TimeoutError:
+            return None
+
+    def _partner(self, epoch: int) -> str | None:
+        view = self.node.view
+        if view is None:
+            return None
+        replicas = [n.peer_id for n in view.replicas(self.worker.stage) if n.state == "active"]
+        if self.node.peer_id not in replicas:
+            replicas.append(self.node.peer_id)
+        return noloco_partner(self.node.run.run_id, self.worker.stage, epoch, replicas, self.node.peer_id)
+
+    async def _apply(self, epoch: int, delta: list[torch.Tensor], theirs) -> None:
+        before = self.state
+        if theirs is None:
+            self.state = local_step(before, delta, self.config)
+            self.local_steps += 1
+        else:
+            their_phi, their_delta = theirs
+            self.state = noloco_step(before, delta, [their_phi], [their_delta], self.config)
+            mine = [p + d for p, d in zip(before.phi, delta, strict=True)]
+            their_theta = [p + d for p, d in zip(their_phi, their_delta, strict=True)]
+            self.distances.append((self.worker.optimizer.step_count, replica_distance(mine, their_theta)))
+            self.node.replica_distance = self.distances[-1][1]
+            self.pair_steps += 1
+        await self.worker.compute(load_slow_weights, self.worker.module, self.state, priority=BACKWARD)
+        self.epoch = epoch
+        self.node.outer_epoch = epoch
+
+    # ---- the exchange, both sides ------------------------------------------------------------------
+
+    async def _call(self, partner: str, epoch: int, phi, delta) -> tuple[list, list] | None:
+        stream = await open_call(self.node.dht.p2p, partner, "rpc_gossip", self.timeout_s)
+        try:
+            await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(phi)))
+            await self._send(stream, phi, delta)
+            ack = await read_reply(stream, Ack)
+            if not ack.accepted:
+                self.refused += 1
+                logger.info("[%s] epoch %d: %s declined: %s", self.node.short_id, epoch, partner[-8:], ack.reason)
+                return None
+            return await self._receive(stream)
+        finally:
+            stream.close()
+
+    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
+        """A replica asks to average with us for `request.epoch`. We read its tensors, then answer."""
+        theirs = await self._receive(stream)  # read first: a refusal must not leave the sender blocked
+        reason = self._refusal(request, sender)
+        if reason is None:
+            offer = await self._wait_for_offer(request.epoch)
+            reason = None if offer is not None else f"not at epoch {request.epoch} in time"
+        if reason is not None:
+            return Ack(accepted=False, reason=reason)
+        phi, delta = offer
+        self._offer_epoch = -1  # one exchange per epoch
+        await stream.write_message(Ack(accepted=True))
+        await self._send(stream, phi, delta)
+        if self._answered is not None and not self._answered.done():
+            self._answered.set_result(theirs)
+        return None
+
+    def _refusal(self, request: GossipRequest, sender: str) -> str | None:
+        if request.stage != self.worker.stage:
+            return f"this node holds stage {self.worker.stage}, not {request.stage}"
+        if request.tensors != len(self.state.phi):
+            return f"expected {len(self.state.phi)} tensors, got {request.tensors}"
+        view = self.node.view
+        if view is None or sender not in {n.peer_id for n in view.replicas(self.worker.stage)}:
+            return "not a live replica of this stage"
+        if request.epoch <= self.epoch:
+            return f"epoch {request.epoch} is over here"
+        return None
+
+    async def _wait_for_offer(self, epoch: int):
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self._offer_epoch == epoch and self._offer is not None and self._offer.done():
+                return self._offer.result()
+            if self.epoch >= epoch:
+                return None
+            await asyncio.sleep(0.02)
+        return None
+
+    async def _send(self, stream: FramedStream, phi, delta) -> None:
+        for tensor in (*phi, *delta):
+            await stream.write_tensor(tensor, WIRE_DTYPE)
+
+    async def _receive(self, stream: FramedStream) -> tuple[list, list]:
+        tensors = []
+        for reference in (*self.state.phi, *self.state.phi):
+            spec = TensorSpec(WIRE_DTYPE, tuple(reference.shape))
+            tensors.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
+        half = len(self.state.phi)
+        phi, delta = tensors[:half], tensors[half:]
+        try:
+            check_partner_tensors(phi, self.state.phi, "partner phi", dtype=torch.float32)
+            check_partner_tensors(delta, self.state.phi, "partner delta", dtype=torch.float32)
+        except BadTensor:
+            self.refused += 1
+            raise
+        return phi, delta
+
+    def stats(self) -> dict:
+        return {
+            "mode": "noloco",
+            "outer_epoch": self.epoch,
+            "pair_steps": self.pair_steps,
+            "local_steps": self.local_steps,
+            "refused": self.refused,
+            "replica_distance": [[step, round(d, 6)] for step, d in self.distances],
+            "exchange_s": [round(t, 4) for t in self.exchange_s],
+            "bytes_per_exchange": 2 * 4 * sum(p.numel() for p in self.state.phi),  # φ and θ − φ, float32, each way
+            "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+        }

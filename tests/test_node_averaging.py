@@ -1,0 +1,75 @@
+"""Replicas of a stage train one model, over real daemons: NoLoCo pairs average every H steps, and
+a node that joins mid-run copies a live replica's weights before it serves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.processes import wait_until
+from tests.helpers.progress import done_event, progress_events
+from tests.helpers.tiny import write_tiny_run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+def _averaging(path) -> dict:
+    return json.loads(path.read_text())["engine"]["averaging"]
+
+
+def test_noloco_pairs_average_every_h_steps_and_end_each_epoch_in_agreement(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stats = {(s, i): tmp_path / f"stage{s}-{i}.json" for s in (1, 2) for i in (0, 1)}
+    workers = {
+        key: swarm.start_node(
+            [entry], "--role", "worker", "--stage", str(key[0]), "--stats-file", str(path), wait=False
+        )  # fmt: skip
+        for key, path in stats.items()
+    }
+    for worker in workers.values():
+        swarm.wait_ready(worker)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0
+    for worker in workers.values():
+        assert swarm.stop(worker) == 0
+
+    for stage in (1, 2):
+        a, b = _averaging(stats[(stage, 0)]), _averaging(stats[(stage, 1)])
+        for side in (a, b):
+            assert side["outer_epoch"] == 12 // 3  # every epoch of the data node's clock
+            assert side["pair_steps"] == 4 and side["local_steps"] == 0 and side["refused"] == 0
+            distances = [d for _, d in side["replica_distance"]]
+            assert all(d > 0 for d in distances) and distances[-1] < distances[0]  # they drift apart less and less
+        # and each pair update brings them back together: the same slow weights on both sides
+        assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6, abs=1e-6)
+
+
+def test_a_node_started_mid_run_serves_with_copied_weights(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 40, "averaging.inner_steps": 5})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    fast = ("--record-ttl", "6")  # heartbeats every 2 s: the data node routes to the newcomer soon after it joins
+    for stage in (1, 2):
+        swarm.start_node([entry], *fast, "--role", "worker", "--stage", str(stage), wait=False)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], *fast, "--role", "data", "--progress-file", str(progress))
+    wait_until(lambda: any(e.get("step", -1) >= 15 for e in progress_events(progress)), 240, "step 15")
+
+    newcomer = swarm.start_node([entry], *fast, "--role", "worker", "--stage", "1", "--stats-file",
+                                str(tmp_path / "newcomer.json"))  # fmt: skip
+    joined_at = max(e["step"] for e in progress_events(progress) if e["event"] == "step")
+    assert "copied stage 1 from" in newcomer.log()
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0
+    losses = {e["step"]: e["loss"] for e in progress_events(progress) if e["event"] == "step"}
+    before = min(losses[s] for s in range(joined_at - 5, joined_at + 1))
+    after = [losses[s] for s in range(joined_at + 1, 40)]
+    # half the microbatches now pass through the newcomer: a fresh stage would send the loss back up
+    # to about ln(vocab) = 5.7; copied weights keep it where the swarm was
+    assert max(after) < before + 0.5, (before, after)
+    assert losses[39] < losses[0] - 1.0
+    assert swarm.stop(newcomer) == 0
+    assert json.loads((tmp_path / "newcomer.json").read_text())["engine"]["forwards"] > 0  # it did serve
