@@ -29,7 +29,7 @@ from pathlib import Path
 from docs_section import write_section
 
 from shoal.config import load_run_config
-from shoal.demo.launcher import LocalSwarm
+from shoal.demo.launcher import LocalSwarm, done_event, progress_events
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn.json"
@@ -38,16 +38,6 @@ HEADER = (
     "| run | injected | completed | abandoned (reasons) | sent again | recoveries | hops redone | stream retries "
     "| kills (n) | final loss | val loss | tokens/s | wall s |\n|" + "---|" * 13
 )
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _done(path: Path) -> dict | None:
-    return next((e for e in _events(path) if e["event"] == "done"), None)
 
 
 def _stage_of(peer) -> int | None:
@@ -86,13 +76,13 @@ def run_swarm(
         )  # fmt: skip
         started = time.monotonic()
         next_kill = started + rng.uniform(12, 20)
-        while _done(progress) is None:
+        while done_event(progress) is None:
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(f"the run did not finish in {timeout_s:.0f} s")
             if churn and time.monotonic() >= next_kill:
                 alive = [w for w in workers if w.alive]
                 victim = rng.choice(alive)
-                steps = [e["step"] for e in _events(progress) if e["event"] == "step"]
+                steps = [e["step"] for e in progress_events(progress) if e["event"] == "step"]
                 swarm.kill(victim)
                 kill = {"at_s": round(time.monotonic() - started, 1), "step": steps[-1] if steps else -1}
                 kill["stage"] = _stage_of(victim)
@@ -111,8 +101,8 @@ def run_swarm(
         swarm.close()
     finally:
         swarm.close(timeout_s=0)
-    done = _done(progress)
-    steps = [e for e in _events(progress) if e["event"] == "step"]
+    done = done_event(progress)
+    steps = [e for e in progress_events(progress) if e["event"] == "step"]
     worker_stats = [json.loads(p.read_text())["engine"] for p in stats_files if p.exists()]
     return {
         "replicas_per_stage": replicas,
@@ -122,7 +112,7 @@ def run_swarm(
         "wall_s": round(wall_s, 1),
         "done": done,
         "kills": kills,
-        "waiting_events": sum(1 for e in _events(progress) if e["event"] == "waiting"),
+        "waiting_events": sum(1 for e in progress_events(progress) if e["event"] == "waiting"),
         "hops_redone": sum(s.get("recomputed", 0) for s in worker_stats),
         "recomputes_delegated": sum(s.get("recomputes_delegated", 0) for s in worker_stats),
         "redo_seconds": round(sum(s.get("recompute_s", 0.0) for s in worker_stats), 2),

@@ -217,7 +217,6 @@ def _validate(cfg: RunConfig) -> None:
     need(0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
     a = cfg.averaging
     need(a.mode in AVERAGING_MODES, "averaging.mode", f"must be one of {', '.join(AVERAGING_MODES)}, got {a.mode!r}")
-    need(a.mode != "diloco", "averaging.mode", "the DiLoCo all-reduce baseline is not built yet; use noloco or none")
     need(a.inner_steps >= 1, "averaging.inner_steps", f"must be at least 1, got {a.inner_steps}")
     need(0.0 <= a.alpha < 1.0, "averaging.alpha", f"must be in [0, 1), got {a.alpha}")
     need(0.0 < a.beta <= 1.0, "averaging.beta", f"must be in (0, 1], got {a.beta}")

@@ -36,6 +36,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "waiting_for": [],
         "links": [],
         "replica_distance": None,
+        "averager_maddrs": [],
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers.processes import wait_until
-from tests.helpers.progress import done_event, progress_events
+from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -73,3 +72,26 @@ def test_a_node_started_mid_run_serves_with_copied_weights(swarm, tmp_path):
     assert losses[39] < losses[0] - 1.0
     assert swarm.stop(newcomer) == 0
     assert json.loads((tmp_path / "newcomer.json").read_text())["engine"]["forwards"] > 0  # it did serve
+
+
+def test_diloco_all_reduces_every_h_steps_through_hivemind_and_replicas_agree(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 9, "averaging.mode": "diloco", "averaging.inner_steps": 3,
+                                           "averaging.alpha": 0.3})  # fmt: skip
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stats = {i: tmp_path / f"stage1-{i}.json" for i in (0, 1)}
+    workers = [
+        swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path))  # one after the other:
+        for path in stats.values()  # the second joins the first one's averaging DHT
+    ]
+    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2"))
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0
+    for worker in workers[:2]:
+        assert swarm.stop(worker) == 0
+    a, b = _averaging(stats[0]), _averaging(stats[1])
+    for side in (a, b):
+        assert side["mode"] == "diloco" and side["outer_epoch"] == 3
+        assert side["group_steps"] == 3 and side["local_steps"] == 0 and set(side["group_sizes"]) == {2}
+    assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6, abs=1e-6)

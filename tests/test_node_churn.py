@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from tests.helpers.processes import wait_until
-from tests.helpers.progress import done_event, progress_events
+from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]

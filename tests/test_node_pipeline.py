@@ -16,8 +16,7 @@ from shoal.node.transport import RemoteError, open_call, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer
-from tests.helpers.processes import wait_until
-from tests.helpers.progress import done_event, progress_events
+from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]

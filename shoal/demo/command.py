@@ -3,7 +3,7 @@ real processes on loopback, training the bundled model with live progress and a 
 
     shoal demo                          # 1 data node + 2 workers per block stage, the `tiny` run
     shoal demo --crash-at-step 60       # SIGKILL one worker mid-run: the swarm routes around it
-    shoal demo --averaging none         # replicas never share weights (NoLoCo is the bundled run's default)
+    shoal demo --averaging diloco       # all-reduce baseline (hivemind's DecentralizedAverager); none: no sharing
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from shoal.errors import UsageError
 from shoal.train.command import add_run_arguments, resolve_run
 
 
+def averaging_overrides(mode: str) -> dict:
+    """Run-config overrides for an averaging mode, with the authors' outer momentum for DiLoCo (0.3)."""
+    return {"averaging.mode": mode, **({"averaging.alpha": 0.3} if mode == "diloco" else {})}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--workers-per-stage", type=int, default=2, help="stage workers per block stage")
@@ -33,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--averaging",
-        choices=("noloco", "none"),
+        choices=("noloco", "diloco", "none"),
         default=None,
         help="how replicas of a stage share weights (default: the run's, NoLoCo for the bundled run)",
     )
@@ -41,18 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", default="demo-report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--workdir", default=None, help="keep node logs here (default: a temporary folder)")
     parser.add_argument("--quiet", action="store_true", help="no live progress")
-
-
-def _read_progress(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line still being written
-    return events
 
 
 def _render(run, events: list[dict], alive: int, total: int, started: float, note: str):
@@ -85,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from shoal.demo.launcher import LocalSwarm
+    from shoal.demo.launcher import LocalSwarm, progress_events
     from shoal.demo.report import build_report
     from shoal.model.corpus import default_corpus_path
     from shoal.model.data import load_token_splits
 
     if args.averaging is not None:
-        run_config = run_config.replace({"averaging.mode": args.averaging})
+        run_config = run_config.replace(averaging_overrides(args.averaging))
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = run_config.replace({"data.path": str(default_corpus_path())})
     console = Console(stderr=True)
@@ -141,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         note = ""
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while True:
-                events = _read_progress(progress)
+                events = progress_events(progress)
                 done = next((e for e in events if e["event"] == "done"), None)
                 steps = sum(e["event"] == "step" for e in events)
                 if args.crash_at_step is not None and not crash and steps >= args.crash_at_step:
@@ -163,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         swarm.close()
-    report_path = build_report(Path(args.report), run_config, _read_progress(progress), swarm, workdir, crash, wall_s)
+    report_path = build_report(Path(args.report), run_config, progress_events(progress), swarm, workdir, crash, wall_s)
     summary = json.loads(report_path.read_text())
     console.print(
         f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "

@@ -47,6 +47,23 @@ def shoal_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "shoal.cli", *args]
 
 
+def progress_events(path: Path) -> list[dict]:
+    """A data node's progress file (one JSON event per line), up to a line still being written."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return events
+
+
+def done_event(path: Path) -> dict | None:
+    return next((e for e in progress_events(path) if e["event"] == "done"), None)
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

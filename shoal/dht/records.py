@@ -56,6 +56,8 @@ class NodeRecord(_Strict):
     waiting_for: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=4096), max_items=64)  # type: ignore[valid-type]
     links: pydantic.conlist(LinkRecord, max_items=MAX_LINKS)  # type: ignore[valid-type]
     replica_distance: _finite | None  # type: ignore[valid-type]
+    # DiLoCo: where this replica's averaging DHT listens (hivemind's averager needs a DHT of its own)
+    averager_maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
 
 
 class RunRecord(_Strict):
@@ -89,6 +91,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         outer_epoch=record.outer_epoch,
         waiting_for=tuple(record.waiting_for),
         replica_distance=record.replica_distance,
+        averager_maddrs=tuple(record.averager_maddrs),
         links=tuple((link.peer_id, link.latency_s, link.bandwidth_Bps) for link in record.links),
         loss=record.loss,
         grad_norm=record.grad_norm,

@@ -199,6 +199,7 @@ class Node:
             "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
             "links": self.links.advertised(),
             "replica_distance": None if self.replica_distance is None else float(self.replica_distance),
+            "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
         }
 
     async def publish(self) -> bool:
@@ -287,6 +288,7 @@ class Node:
             worker = StageWorker(self, self.stage)
             self.engine = worker
             source = await worker.join_by_copy()  # before we announce ourselves active
+            await worker.start_averaging()
             if source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
                 logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
                                self.short_id, self.stage)  # fmt: skip

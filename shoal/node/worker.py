@@ -23,6 +23,7 @@ import torch
 from shoal.model.stages import build_stage
 from shoal.node.averaging import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD
+from shoal.node.diloco import DiLoCoAverager
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.transport import FramedStream, call, open_call, read_reply
 from shoal.protocol.errors import BadTensor
@@ -46,6 +47,8 @@ from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import check_partner_tensors
 
 logger = logging.getLogger(__name__)
+
+AVERAGERS = {"noloco": NoLoCoAverager, "diloco": DiLoCoAverager}
 
 
 @dataclass
@@ -86,7 +89,8 @@ class StageWorker(PipelineEngine):
         self.recompute_s = 0.0
         self.expired = 0
         self.copies_served = 0
-        self.averager = NoLoCoAverager(self) if run.averaging.mode == "noloco" else None
+        averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
+        self.averager = averager_type(self) if averager_type is not None else None
 
     @property
     def busy(self) -> bool:
@@ -331,9 +335,22 @@ class StageWorker(PipelineEngine):
         return Ack(accepted=True)
 
     async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
-        if self.averager is None:
+        on_gossip = getattr(self.averager, "on_gossip", None)
+        if on_gossip is None:
             return Ack(accepted=False, reason="this run does not average with NoLoCo")
-        return await self.averager.on_gossip(request, stream, sender)
+        return await on_gossip(request, stream, sender)
+
+    async def start_averaging(self) -> None:
+        """Start what averaging needs beside our streams (DiLoCo: hivemind's averager)."""
+        start = getattr(self.averager, "start", None)
+        if start is not None:
+            await start()
+
+    async def shutdown(self) -> None:
+        stop = getattr(self.averager, "shutdown", None)
+        if stop is not None:
+            await stop()
+        await super().shutdown()
 
     def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         theta = [p.detach().clone() for p in self.module.parameters()]

@@ -39,6 +39,7 @@ class NodeInfo:
     waiting_for: tuple[StageIndex, ...] = ()  # a data node's block stages with no live replica, while it waits
     links: tuple[tuple[PeerID, float, float], ...] = ()  # (peer, one-way latency s, bandwidth B/s) it measured
     replica_distance: float | None = None  # NoLoCo: ‖θ − θ_partner‖ before its last pair update
+    averager_maddrs: tuple[str, ...] = ()  # DiLoCo: its averaging DHT's addresses
 
     @property
     def live(self) -> bool:

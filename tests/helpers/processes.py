@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shoal.demo.launcher import LocalSwarm, Peer, wait_until
+from shoal.demo.launcher import LocalSwarm, Peer, done_event, progress_events, wait_until
 
-__all__ = ["LocalSwarm", "Peer", "Swarm", "wait_until"]
+__all__ = ["LocalSwarm", "Peer", "Swarm", "done_event", "progress_events", "wait_until"]
 
 
 class Swarm(LocalSwarm):

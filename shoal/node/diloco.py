@@ -1,0 +1,154 @@
+"""The DiLoCo baseline in the daemon: every H data-node steps, all replicas of a stage all-reduce their
+pseudo-gradients θ − φ with hivemind's `DecentralizedAverager`, and each applies DiLoCo's outer
+update (shoal/train/outer.py) to the mean.
+
+The comparison with NoLoCo runs against a real all-reduce peer, as the papers' does. hivemind's
+averager needs a `hivemind.dht.DHT` (it asks it for a replica of its libp2p host), and the swarm's
+own DHT accepts shoal records only, so each replica runs a small averaging DHT of its own and
+advertises its addresses in its node record (`averager_maddrs`); a new replica joins the others'
+averaging DHT through them. Matchmaking groups the replicas of one stage under a prefix of run and
+stage. An all-reduce that does not form or finish within the run's exchange timeout is a local
+outer step: a replica never waits on the swarm longer than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.node.compute import BACKWARD
+from shoal.train.outer import OuterConfig, OuterState, diloco_step, load_slow_weights, local_step, pseudo_gradient
+
+if TYPE_CHECKING:
+    from shoal.node.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+MIN_MATCHMAKING_S = 1.0
+STARTUP_TIMEOUT_S = 60.0  # how long a replica looks for the others before averaging with who came
+
+
+class DiLoCoAverager:
+    def __init__(self, worker: StageWorker):
+        self.worker = worker
+        self.node = worker.node
+        averaging = self.node.run.averaging
+        self.config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
+        self.timeout_s = averaging.exchange_timeout_s
+        self.state = OuterState.from_module(worker.module)
+        self.epoch = 0
+        self.dht = None
+        self.averager = None
+        self.maddrs: list[str] = []
+        self.group_steps = 0
+        self.local_steps = 0
+        self.group_sizes: list[int] = []
+        self.exchange_s: list[float] = []
+
+    async def start(self) -> None:
+        """Start this replica's averaging DHT and averager, joined to the other replicas' (blocking
+        work, done in a thread)."""
+        view = self.node.view
+        others = [n for n in (view.replicas(self.worker.stage) if view else ()) if n.peer_id != self.node.peer_id]
+        initial = [m for n in others for m in n.averager_maddrs]
+        group = max(2, len(others) + 1)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._create, initial, group)
+        # The averager is a process; hivemind starts it from the main thread and sets SIGINT to be
+        # ignored there while it does, so start it here and give the daemon its handler back.
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            self.averager.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        await loop.run_in_executor(None, self.averager.wait_until_ready, STARTUP_TIMEOUT_S)
+        logger.info("[%s] DiLoCo averager for stage %d up (group of %d, joined %d addresses)",
+                    self.node.short_id, self.worker.stage, group, len(initial))  # fmt: skip
+
+    def _create(self, initial_peers: list[str], group: int) -> None:
+        from hivemind.averaging import DecentralizedAverager
+        from hivemind.dht import DHT
+
+        self.dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.averager = DecentralizedAverager(
+            [torch.zeros_like(p) for p in self.state.phi],
+            dht=self.dht,
+            prefix=f"shoal_{self.node.run.run_id}_stage{self.worker.stage}",
+            target_group_size=group,
+            min_group_size=2,
+            min_matchmaking_time=MIN_MATCHMAKING_S,
+            start=False,
+        )
+
+    def due(self, closed_step: int) -> int | None:
+        epoch, rest = divmod(closed_step + 1, self.config.inner_steps)
+        return epoch if rest == 0 and epoch > self.epoch else None
+
+    def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
+        self.state = OuterState.from_tensors(phi)
+        self.epoch = epoch
+
+    async def outer_step(self, epoch: int) -> None:
+        worker = self.worker
+        delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
+        started = time.monotonic()
+        mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, delta)
+        if mean is None:
+            logger.info("[%s] epoch %d: no all-reduce group in time; local outer step", self.node.short_id, epoch)
+            self.state = local_step(self.state, delta, self.config)
+            self.local_steps += 1
+        else:
+            self.exchange_s.append(time.monotonic() - started)
+            self.state = diloco_step(self.state, mean, self.config)
+            self.group_steps += 1
+        await worker.compute(load_slow_weights, worker.module, self.state, priority=BACKWARD)
+        self.epoch = epoch
+        self.node.outer_epoch = epoch
+
+    def _all_reduce(self, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Put our Δ in, average with whoever matched, and read the mean (None if no group formed)."""
+        if self.averager is None:
+            return None
+        with self.averager.get_tensors() as tensors:
+            for slot, value in zip(tensors, delta, strict=True):
+                slot.copy_(value)
+        try:
+            control = self.averager.step(timeout=self.timeout_s, wait=False)
+            gathered = control.result(timeout=self.timeout_s + MIN_MATCHMAKING_S + 5)
+        except Exception as e:
+            logger.info("[%s] all-reduce failed: %r", self.node.short_id, e)
+            return None
+        if not gathered:
+            return None
+        self.group_sizes.append(len(gathered))
+        with self.averager.get_tensors() as tensors:
+            return [t.detach().clone() for t in tensors]
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        for part in (self.averager, self.dht):
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception as e:
+                    logger.debug("averaging shutdown: %r", e)
+
+    def stats(self) -> dict:
+        return {
+            "mode": "diloco",
+            "outer_epoch": self.epoch,
+            "group_steps": self.group_steps,
+            "local_steps": self.local_steps,
+            "group_sizes": self.group_sizes,
+            "exchange_s": [round(t, 4) for t in self.exchange_s],
+            "bytes_per_exchange": 4 * sum(p.numel() for p in self.state.phi),
+            "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+        }
