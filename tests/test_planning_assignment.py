@@ -71,3 +71,16 @@ def test_hysteresis_keeps_a_node_unless_the_gain_is_clear():
 def test_sole_holder_never_leaves_its_stage():
     view = _view(_node("d", 0), _node("a", 1, 1), _node("me", 2, 40), _node("c", 3, 40))
     assert choose_stage(view, _me(throughput=40, current=2)) == 2
+
+
+def test_nodes_that_see_the_same_view_do_not_all_move_at_once():
+    # A senior and three juniors on stage 1, stage 2 empty: one junior (the most junior) fills it.
+    view = _view(_node("d", 0), _node("s", 1, started=1.0), *[_node(f"j{i}", 1, started=2.0 + i) for i in range(3)],
+                 stages=3)  # fmt: skip
+    moves = {f"j{i}": choose_stage(view, _me(f"j{i}", started=2.0 + i, current=1)) for i in range(3)}
+    assert moves == {"j0": 1, "j1": 1, "j2": 2}
+    # Three on stage 2 and one on stage 1: only the most junior of stage 2 moves for throughput.
+    view = _view(_node("d", 0), _node("s", 1, started=1.0), *[_node(f"j{i}", 2, started=2.0 + i) for i in range(3)],
+                 stages=3)  # fmt: skip
+    moves = {f"j{i}": choose_stage(view, _me(f"j{i}", started=2.0 + i, current=2)) for i in range(3)}
+    assert moves == {"j0": 2, "j1": 2, "j2": 1}

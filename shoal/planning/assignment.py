@@ -2,10 +2,11 @@
 
 Nodes decide alone from the same view, so two that join together would pick the same empty slot.
 Every rule therefore breaks ties by seniority (`started_at`, then peer id): when several nodes
-claim a slot that needs fewer, the most senior keep it and the others move on, so the swarm
-converges without a coordinator. Like Petals' block selection, a node that already holds a stage
-moves for throughput only when that raises the slowest stage by a clear margin (`hysteresis`),
-so replicas do not flap on noisy throughput figures.
+claim a slot that needs fewer, the most senior keep it and the others move on; and of the holders
+of one stage only the most junior may leave it in one round, so nodes that see the same view do
+not all move together and flap. The swarm converges without a coordinator. Like Petals' block
+selection, a node that already holds a stage moves for throughput only when that raises the slowest
+stage by a clear margin (`hysteresis`), so replicas do not flap on noisy throughput figures.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def _outranked(view: SwarmView, me: Candidate, stage: StageIndex, seats: int) ->
     return len(senior) >= seats
 
 
+def _holders(view: SwarmView, me: Candidate, stage: StageIndex) -> int:
+    """Live holders of `stage`, this node included."""
+    return len(view.replicas(stage, exclude=me.peer_id)) + 1
+
+
+def _junior_rank(view: SwarmView, me: Candidate, stage: StageIndex) -> int:
+    """How many holders of `stage` are more junior than this node (0: it is the most junior)."""
+    return sum(1 for n in view.replicas(stage, exclude=me.peer_id) if _seniority(n) > _seniority(me))
+
+
 def _tie_break(peer_id: PeerID, stage: StageIndex) -> bytes:
     # spreads simultaneous joiners over equally good stages instead of piling them on one
     return hashlib.sha256(f"{peer_id}:{stage}".encode()).digest()
@@ -62,8 +73,13 @@ def choose_stage(view: SwarmView, me: Candidate, hysteresis: float = 0.2, min_da
     if current is not None:
         if current in empty:
             return current  # its only holder: staying keeps the pipeline whole
-        if empty and not _outranked(view, me, current, 1):
-            return current  # its most senior holder: a junior one moves to the empty stage
+        if empty:
+            # Only as many of its holders as there are empty stages move, the most junior first, and
+            # the most senior always stays: all moving at once would empty this stage in turn.
+            rank = _junior_rank(view, me, current)
+            if rank >= min(len(empty), _holders(view, me, current) - 1):
+                return current
+            return sorted(empty)[rank]
     if empty:
         return min(empty, key=lambda s: _tie_break(me.peer_id, s))
 
@@ -77,6 +93,10 @@ def choose_stage(view: SwarmView, me: Candidate, hysteresis: float = 0.2, min_da
         return min(rates)
 
     best = max(block_stages, key=lambda s: (bottleneck_if(s), _tie_break(me.peer_id, s)))
-    if current is None or bottleneck_if(best) > (1.0 + hysteresis) * bottleneck_if(current):
+    if current is None:
+        return best
+    if _junior_rank(view, me, current) > 0:
+        return current  # one move per stage per round: the most junior holder goes, the rest see the result
+    if bottleneck_if(best) > (1.0 + hysteresis) * bottleneck_if(current):
         return best
     return current
