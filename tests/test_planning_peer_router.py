@@ -100,3 +100,19 @@ def test_empty_stages_and_the_data_role_follow_the_assignment_rules():
     view = _view(_node("a1", 1), _node("new", 1, started=5.0))
     router = _router("gwtf", view)
     assert router.place(view, Candidate("new", 10.0, started_at=5.0), forward_s=0.05, memory=4) == 0
+
+
+def test_skippipe_paths_visit_a_share_of_the_block_stages_and_each_equally():
+    from shoal.planning.skippipe import SkipPipeOptions
+
+    view = SwarmView("run", 5, (0, 1, 1, 1, 1), (_node("data", 0), *[_node(f"w{s}", s) for s in range(1, 5)]))
+    router = _router("gwtf", view)
+    paths = router.plan_paths("data", 8, SkipPipeOptions(skip=0.25))
+    assert paths is not None and len(paths) == 8
+    for path in paths:
+        stages = [stage for stage, _ in path.hops]
+        assert len(stages) == 3 and stages == sorted(stages)  # 3 of 4 block stages, in order
+        assert all(peer == f"w{stage}" for stage, peer in path.hops)
+    visits = Counter(stage for path in paths for stage, _ in path.hops)
+    assert max(visits.values()) - min(visits.values()) <= 1  # every stage sees the same share of the data
+    assert _router("gwtf", _view(_node("data", 0), _node("a1", 1))).plan_paths("data", 4, SkipPipeOptions()) is None

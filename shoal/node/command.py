@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (default: random replicas when the run averages with NoLoCo, else gwtf), gwtf (min-max "
         "path cost over measured links), swarm (each hop balances on its own timings), capacity or random",
     )
+    parser.add_argument(
+        "--paths",
+        default="full",
+        help="data nodes: full (every block stage in order) or skippipe (SkipPipe's partial paths)",
+    )
+    parser.add_argument("--skip", type=float, default=0.33, help="SkipPipe: share of block stages a path skips")
+    parser.add_argument("--max-swaps", type=int, default=0, help="SkipPipe: adjacent-stage swaps per path")
     parser.add_argument("--stage", type=int, default=None, help="hold this block stage (default: the swarm's choice)")
     parser.add_argument(
         "--inject-upstream-delay",
@@ -131,6 +138,9 @@ def node_config(args: argparse.Namespace):
         stats_file=args.stats_file,
         stage=args.stage,
         routing=args.routing,
+        paths=args.paths,
+        skip=args.skip,
+        max_swaps=args.max_swaps,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
     )
 

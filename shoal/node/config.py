@@ -21,6 +21,9 @@ class NodeConfig:
     role: str = "auto"
     routing: str = "auto"  # auto (random with NoLoCo averaging, else gwtf), gwtf, swarm, capacity or random
     stage: int | None = None  # hold this block stage and never move (None: the swarm's choice)
+    paths: str = "full"  # data nodes: "full" (every block stage in order) or "skippipe" (partial paths)
+    skip: float = 0.33  # SkipPipe: share of block stages a path skips
+    max_swaps: int = 0  # SkipPipe: adjacent-stage swaps a path may make
     threads: int = 1
     max_inflight: int | None = None  # None: derived from free memory
     record_ttl_s: float = 30.0
@@ -44,6 +47,12 @@ class NodeConfig:
             raise ConfigError("--stage", "must be a block stage (1 or more), for a worker")
         if self.routing not in ("auto", "gwtf", "swarm", "capacity", "random"):
             raise ConfigError("--routing", f"must be auto, gwtf, swarm, capacity or random, got {self.routing!r}")
+        if self.paths not in ("full", "skippipe"):
+            raise ConfigError("--paths", f"must be full or skippipe, got {self.paths!r}")
+        if not 0.0 <= self.skip < 1.0:
+            raise ConfigError("--skip", f"must be in [0, 1), got {self.skip}")
+        if self.max_swaps < 0:
+            raise ConfigError("--max-swaps", "must be zero or more")
         if self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
         if self.max_inflight is not None and self.max_inflight < 1:

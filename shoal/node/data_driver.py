@@ -23,6 +23,7 @@ from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forwar
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
 from shoal.planning.peer_router import Routed
+from shoal.planning.skippipe import SkipPipeOptions
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -100,6 +101,7 @@ class DataDriver(PipelineEngine):
         self.summary: dict = {}
         self.step_peers: set[str] = set()  # workers that served the current step: they get its StepClose
         self.waiting_for: list[int] = []  # block stages with no live replica while we wait for one
+        self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
         self._last_wait_report = 0.0
 
     @property
@@ -229,14 +231,31 @@ class DataDriver(PipelineEngine):
         with torch.enable_grad():
             return self.head.embed(tokens)
 
-    async def _route(self) -> Routed | None:
-        """A route through one live replica of every block stage, from the node's routing policy
-        (GWTF by default). While some stage has none, wait for one (bounded by the node's stage wait,
-        said in the log and the progress file); None if it never came."""
+    def _planned_path(self) -> Routed | None:
+        """SkipPipe: the next planned partial path, planning a step's worth when none is left."""
+        if not self.planned_paths:
+            n = self.run.microbatches_per_step
+            config = self.node.config  # a few perturbed re-plans per step: the planner runs every step here
+            options = SkipPipeOptions(skip=config.skip, max_swaps=config.max_swaps, search_budget=4 * n)
+            planned = self.node.router.plan_paths(self.node.peer_id, n, options)
+            self.planned_paths = planned or []
+        return self.planned_paths.pop(0) if self.planned_paths else None
+
+    async def _route(self, train: bool = True) -> Routed | None:
+        """A route for the next microbatch: through one live replica of every block stage from the
+        node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
+        model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
+        node's stage wait, said in the log and the progress file); None if it never came."""
         deadline = time.monotonic() + self.node.config.stage_wait_s
         router = self.node.router
+        skippipe = train and self.node.config.paths == "skippipe"
         while True:
             view = self.node.view
+            if skippipe and view is not None:
+                route = self._planned_path()
+                if route is not None and not set(p for _, p in route.hops) & self.banned():
+                    return route
+                self.planned_paths = []  # a path through a peer that just failed: plan again
             route = router.route(self.node.peer_id, exclude=self.banned()) if view else None
             if route is None and view is not None:  # a ban is a preference, not a verdict
                 route = router.route(self.node.peer_id)
@@ -273,7 +292,7 @@ class DataDriver(PipelineEngine):
             embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
             last_reason = ""
             for attempt in range(MAX_ATTEMPTS):
-                route = await self._route()
+                route = await self._route(train)
                 if route is None:
                     missing = self.node.view.stages_without_replica()
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")

@@ -19,6 +19,7 @@ from shoal.planning.costs import CostModel
 from shoal.planning.from_view import swarm_from_view
 from shoal.planning.mixing import RandomPolicy
 from shoal.planning.policy import Policy, make_policy
+from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
 from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmView
 
@@ -54,6 +55,7 @@ class PeerRouter:
             RandomPolicy(cost, rng) if policy_name == "random" else make_policy(policy_name, cost, rng, allocate=False)
         )
         self.cost = cost
+        self.paths_rng = random.Random(f"paths:{seed}")
         self.swarm: Swarm | None = None
         self._next_id = itertools.count()
         self.ids: dict[PeerID, NodeId] = {}  # every peer ever seen keeps its id
@@ -127,6 +129,19 @@ class PeerRouter:
                     return None
             route.append((stage, peer))
         return Routed(tuple(route), me, planned)
+
+    def plan_paths(self, origin: PeerID, microbatches: int, options: SkipPipeOptions) -> list[Routed] | None:
+        """SkipPipe: partial (and, with swaps, reordered) paths for this data node's next
+        `microbatches`, planned over the live workers; None while some block stage has nobody."""
+        if self.swarm is None or not self._live(origin) or any(not group for group in self.swarm.by_stage[1:]):
+            return None
+        me = self.ids[origin]
+        swarm = self.swarm.with_nodes(tuple(n for n in self.swarm.nodes if n.stage > 0 or n.node_id == me))
+        try:
+            plan = plan_skippipe(swarm, self.cost, microbatches, options, self.paths_rng)
+        except PlanningError:
+            return None
+        return [Routed(tuple((swarm.node(h).stage, self.peers[h]) for h in r.hops), me, ()) for r in plan.routes]
 
     def end(self, routed: Routed) -> None:
         """A microbatch injected on `routed` is over (completed, or its attempt lost)."""
