@@ -83,3 +83,57 @@ def test_a_stage_with_no_replica_is_waited_for_and_no_microbatch_is_lost(swarm, 
     assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
     assert done["microbatches_completed"] == done["microbatches_injected"]  # 30 steps x 4, and evaluation
     assert done["steps"] == 30
+
+
+def _simulated_crash_in_backward() -> dict:
+    """The same scripted fault in the simulator: one microbatch through a data node, one of two stage-1
+    replicas and a stage-2 node; the stage-1 hop holding the graph crashes while stage 2 computes its
+    backward (the microbatch's timeline: stage 2's backward runs 7.25-10.25 s)."""
+    import random
+
+    from shoal.planning.costs import CostModel
+    from shoal.planning.policy import make_policy
+    from shoal.planning.swarm import PlanNode, Swarm
+    from shoal.sim.engine import SimConfig, Simulator
+
+    cost = CostModel(activation_bytes=50, per_hop_overhead_s=0.05)
+    nodes = (PlanNode(0, 0, 0, 1.0, 1), PlanNode(1, 1, 1, 2.0, 1), PlanNode(2, 1, 1, 2.0, 1), PlanNode(3, 2, 1, 2.0, 1))
+    swarm = Swarm(nodes, 3, ((0.0, 0.1), (0.1, 0.0)), ((1e12, 100.0), (100.0, 1e12)))
+    for victim in (1, 2):  # the policy routes through one of the two; crash each in turn, keep the hit
+        config = SimConfig(microbatches=1, failure_timeout_s=5.0, scripted=((9.0, "crash", victim),))
+        result = Simulator(swarm, cost, make_policy("gwtf", cost, random.Random(0)), config, random.Random(0)).run()
+        if result.recomputed_hops or result.restarted or result.abandoned:
+            return {"sent again": result.restarted, "hops redone": result.recomputed_hops,
+                    "abandoned": result.abandoned}  # fmt: skip
+    raise AssertionError("neither crash hit the microbatch")
+
+
+def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward(swarm, tmp_path):
+    # The real side: one microbatch per step; stage 2 holds the gradient of step 2 while we kill the
+    # stage-1 replica that holds that microbatch's graph.
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 4, "train.batch_size": 2, "averaging.mode": "none"})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", TTL, "--role", "worker")
+    first = [
+        swarm.start_node([entry], *common, "--stage", "1", "--stats-file", str(tmp_path / f"first{i}.json"), wait=False)
+        for i in range(2)
+    ]
+    holder = swarm.start_node([entry], *common, "--stage", "2", "--inject-upstream-delay", "2:6", "--stats-file",
+                              str(tmp_path / "holder.json"), wait=False)  # fmt: skip
+    for peer in (*first, holder):
+        swarm.wait_ready(peer)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
+    held = wait_until(lambda: re.search(r"before passing it to (\S+)", holder.log()), 240, "the injected hold")
+    victim = next(p for p in first if p.peer_id == held.group(1))
+    survivor = next(p for p in first if p is not victim)
+    swarm.kill(victim)
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish")
+    for peer in (holder, survivor):
+        assert swarm.stop(peer) == 0
+    real = {
+        "sent again": done["microbatches_resent"],
+        "hops redone": _stats(tmp_path / f"first{first.index(survivor)}.json")["recomputed"],
+        "abandoned": done["microbatches_abandoned"],
+    }
+    assert real == _simulated_crash_in_backward() == {"sent again": 0, "hops redone": 1, "abandoned": 0}
