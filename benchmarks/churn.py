@@ -124,6 +124,68 @@ def run_swarm(
     }
 
 
+LOOPBACK_LATENCY_S = 0.0005  # one way, between processes on this machine
+LOOPBACK_BANDWIDTH_BPS = 200e6  # a libp2p stream on loopback (hivemind-notes: 209-250 MB/s)
+JOIN_WARMUP_S = 8.0  # a restarted `shoal node` is active about 6.6 s after it starts (join benchmark), + 2 s
+
+
+def _sim_swarm(run, forward_s: float, replicas: int):
+    from shoal.planning.swarm import PlanNode, Swarm
+
+    nodes = [PlanNode(0, 0, 0, forward_s, 64)]
+    for stage in range(1, run.pipeline.stages):
+        for _ in range(replicas):
+            nodes.append(PlanNode(len(nodes), stage, 0, forward_s, 64))
+    return Swarm(tuple(nodes), run.pipeline.stages, ((LOOPBACK_LATENCY_S,),), ((LOOPBACK_BANDWIDTH_BPS,),))
+
+
+def _simulate(run, forward_s: float, replicas: int, microbatches: int, policy: str, kills: list[dict]):
+    import random
+
+    from shoal.planning.costs import CostModel
+    from shoal.planning.policy import make_policy
+    from shoal.planning.swarm import PlanNode
+    from shoal.protocol.tensors import DTYPE_SIZES
+    from shoal.sim.engine import SimConfig, Simulator
+
+    t = run.train
+    cost = CostModel(activation_bytes=t.microbatch_size * t.seq_len * run.model.d_model * DTYPE_SIZES["float32"])
+    scripted = []
+    for kill in kills:
+        if kill["stage"]:
+            scripted.append((kill["at_s"], "crash-stage", kill["stage"]))
+            scripted.append((kill["at_s"] + 2.0, "join", 0))
+    config = SimConfig(microbatches=microbatches, failure_timeout_s=float(TTL), join_warmup_s=JOIN_WARMUP_S,
+                       scripted=tuple(sorted(scripted)))  # fmt: skip
+    swarm = _sim_swarm(run, forward_s, replicas)
+    spawn = lambda node_id, rng: PlanNode(node_id, 1, 0, forward_s, 64)  # noqa: E731
+    sim = Simulator(swarm, cost, make_policy(policy, cost, random.Random(0)), config, random.Random(0), spawn)
+    return sim.run()
+
+
+def predicted(run_file: Path, result: dict) -> dict:
+    """The simulator's prediction for the same kill schedule (crashes of a node of the killed stage at
+    the same seconds, a join 2 s later), with GWTF and with SWARM. Its per-node compute is calibrated
+    so that its fault-free run matches the measured fault-free throughput; links are loopback's."""
+    run = load_run_config(str(run_file))
+    runs = result["runs"]
+    measured = runs["no faults"]["train_tokens_per_s"] / (run.train.microbatch_size * run.train.seq_len)
+    microbatches = runs["no faults"]["done"]["microbatches_completed"]
+    forward_s = 0.1
+    for _ in range(3):  # calibrate: throughput scales as 1 / compute time
+        free = _simulate(run, forward_s, 2, microbatches, "gwtf", [])
+        forward_s *= free.throughput_mb_per_s / measured
+    out = {"forward_s": round(forward_s, 4), "measured_mb_per_s": round(measured, 3)}
+    for name, policy in (("churn, GWTF", "gwtf"), ("churn, SWARM", "swarm")):
+        sim = _simulate(run, forward_s, 2, microbatches, policy, runs[name]["kills"])
+        out[name] = {
+            "completed": sim.completed, "abandoned": sim.abandoned, "hops redone": sim.recomputed_hops,
+            "sent again": sim.restarted, "mb_per_s": round(sim.throughput_mb_per_s, 3),
+            "over_no_faults": round(sim.throughput_mb_per_s / free.throughput_mb_per_s, 3),
+        }  # fmt: skip
+    return out
+
+
 RUNS = (  # name, replicas per block stage, churn, routing
     ("no faults, 1 replica", 1, False, "gwtf"),
     ("no faults", 2, False, "gwtf"),
@@ -146,6 +208,12 @@ def markdown(result: dict) -> str:
             f"{d['tokens_per_s']:.0f} | {r['wall_s']:.0f} |"
         )
     ratios = result["throughput_ratios"]
+    sim = result["simulator"]
+    sim_rows = "\n".join(
+        f"| {name} | {sim[name]['completed']} | {sim[name]['abandoned']} | {sim[name]['sent again']} | "
+        f"{sim[name]['hops redone']} | {sim[name]['over_no_faults']:.2f} |"
+        for name in ("churn, GWTF", "churn, SWARM")
+    )
     return f"""## Churn: kill -9 and restart under load, against the same run without faults
 
 `{result["command"]}` ({result["steps"]} steps per run, seed {result["seed"]}; in the churn runs a
@@ -157,6 +225,14 @@ counters with them); "recoveries" is the data node's count of lost backward hops
 
 {HEADER}
 {chr(10).join(rows)}
+
+The simulator's prediction for the same schedule (a node of the killed stage crashes at the same
+second, a node joins 2 s later and serves {JOIN_WARMUP_S:.0f} s after that; per-node compute
+calibrated to the fault-free run, {sim["forward_s"] * 1e3:.0f} ms forward per stage; loopback links):
+
+| simulated run | completed | abandoned | sent again | hops redone | throughput / no faults |
+|---|---|---|---|---|---|
+{sim_rows}
 
 Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
 SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**
@@ -174,7 +250,22 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="recompute the simulator's prediction for the runs in the results file",
+    )
     args = parser.parse_args()
+    if args.predict_only:
+        result = json.loads(RESULTS.read_text())
+        run_file = Path(tempfile.mkdtemp(prefix="shoal-churn-")) / "run.toml"
+        run_file.write_text(load_run_config(args.run_config).replace({"train.steps": result["steps"]}).to_toml())
+        result["simulator"] = predicted(run_file, result)
+        RESULTS.write_text(json.dumps(result, indent=1))
+        if not args.no_docs:
+            write_section("churn", markdown(result))
+        print(markdown(result))
+        return 0
     results = {}
     with tempfile.TemporaryDirectory(prefix="shoal-churn-") as tmp:
         workdir = Path(tmp)
@@ -185,6 +276,7 @@ def main() -> int:
             print(f"{name}: {args.steps} steps ...", file=sys.stderr, flush=True)
             results[name] = run_swarm(run_file, workdir / str(i), replicas, churn, routing, args.seed, args.timeout)
             print(json.dumps(results[name]["done"]), file=sys.stderr, flush=True)
+        prediction = predicted(run_file, {"runs": results})
     steps = {results[n]["done"]["steps"] for n in results}
     assert steps == {args.steps}, f"runs must train the same steps: {steps}"
     speed = {n: results[n]["train_tokens_per_s"] for n in results}
@@ -199,6 +291,7 @@ def main() -> int:
             "gwtf_over_swarm_churn": round(speed["churn, GWTF"] / speed["churn, SWARM"], 3),
         },
         "median_step_tokens_per_s": {n: statistics.median(t for _, t in results[n]["tokens_per_s"]) for n in results},
+        "simulator": prediction,
         "runs": results,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -48,18 +48,23 @@ def place_joining_node(view: Swarm, cost: CostModel, newcomer: PlanNode) -> Stag
     """The block stage where `newcomer` raises the greedy routes' estimated throughput the most.
 
     The newcomer's `forward_s` is taken as its time for any one block stage (block stages hold the
-    same number of layers). Ties go to the lowest stage.
+    same number of layers). Where the estimate cannot tell stages apart (the routes are limited
+    elsewhere, e.g. by the data nodes), the stage with the least compute gets the node, then the
+    lowest: a stage a crash left short is refilled first.
     """
     if view.stages < 2:
         raise ValueError("a swarm without block stages has nowhere to place a node")
-    best: tuple[float, int] | None = None
+    gains = {}
     for stage in range(1, view.stages):
         trial = view.with_nodes(view.nodes + (replace(newcomer, stage=stage),))
-        gain = greedy_throughput(trial, cost)
-        if best is None or gain > best[0] * (1 + 1e-9):
-            best = (gain, stage)
-    assert best is not None
-    return best[1]
+        gains[stage] = greedy_throughput(trial, cost)
+    top = max(gains.values())
+    tied = [stage for stage, gain in gains.items() if gain >= top * (1 - 1e-9)]
+
+    def compute_rate(stage: StageIndex) -> float:
+        return sum(1.0 / cost.compute_s(n) for n in view.by_stage[stage])
+
+    return min(tied, key=lambda stage: (compute_rate(stage), stage))
 
 
 def detour_if_full(

@@ -42,7 +42,9 @@ class SimConfig:
     replan_s: float = 1.0  # from the heartbeat that sees a view change until the new plan is used
     max_time_s: float = 1e7
     churn: ChurnConfig = ChurnConfig()
-    scripted: tuple[tuple[float, str, NodeId], ...] = ()  # (time, "crash" | "leave", node): faults on cue
+    # (time, kind, node) on cue: "crash" or "leave" that node, "crash-stage" the live node of that stage
+    # with the lowest id (the number is a stage), "join" a new node from `spawn` (the number is ignored)
+    scripted: tuple[tuple[float, str, NodeId], ...] = ()
 
 
 Spawn = Callable[[NodeId, random.Random], PlanNode]  # a joining node's description (stage ignored)
@@ -103,8 +105,8 @@ class Simulator(FaultsMixin, KnowledgeMixin):
         self._start_knowledge()
         self._schedule_churn()
         for time_s, kind, node_id in self.config.scripted:
-            if kind not in ("crash", "leave"):
-                raise ValueError(f"scripted fault {kind!r}: only crash and leave can be scripted")
+            if kind not in ("crash", "crash-stage", "leave", "join"):
+                raise ValueError(f"scripted event {kind!r}: only crash, crash-stage, leave and join can be scripted")
             self.at(time_s, self._scripted, kind, node_id)
         for origin in sorted(n.node_id for n in view.data_nodes):
             self.pump(origin)

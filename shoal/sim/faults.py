@@ -52,6 +52,14 @@ class FaultsMixin:
         self._schedule_churn()
 
     def _scripted(self, kind: str, node_id: int) -> None:
+        if kind == "join":
+            self._join(ChurnEvent(self.now, "join", 0.0))
+            return
+        if kind == "crash-stage":  # the number names a stage: crash its live node with the lowest id
+            live = sorted(n.info.node_id for n in self.nodes.values() if n.alive and n.info.stage == node_id)
+            if not live:
+                return
+            kind, node_id = "crash", live[0]
         node = self.nodes[node_id]
         if node.alive and node.accepting:
             (self.crash if kind == "crash" else self.leave)(node)
@@ -123,7 +131,10 @@ class FaultsMixin:
         node_id = self.next_id
         self.next_id += 1
         newcomer = self.spawn(node_id, random.Random(event.pick))
-        stage = self.policy.place(self.view, newcomer)
+        # a joiner pings the peers it sees listed before it picks a stage (as the daemon does), so a
+        # crashed peer whose record has not expired yet does not count as a replica
+        answering = self.view.with_nodes(tuple(n for n in self.view.nodes if self.nodes[n.node_id].alive))
+        stage = self.policy.place(answering, newcomer)
         self.at(self.now + self.config.join_warmup_s, self._join_ready, replace(newcomer, stage=stage))
 
     def _join_ready(self, info) -> None:
