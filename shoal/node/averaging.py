@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.node.compute import BACKWARD
-from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
-from shoal.protocol.errors import BadTensor, ProtocolError
+from shoal.node.transport import FramedStream, open_call, read_reply
+from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GossipRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.outer import (
@@ -98,14 +98,15 @@ class NoLoCoAverager:
             # The lower id calls at once; the higher waits a while, then calls (our views of the stage
             # may differ); one that sees no partner waits the whole time for whoever asks.
             if partner is None:
-                theirs = await self._wait_for_call(self.timeout_s)
+                if self._others():  # the odd one out, or our views differ: someone may still ask
+                    theirs = await self._wait_for_call(self.timeout_s / 3)
             elif self.node.peer_id < partner:
                 theirs = await self._call(partner, epoch, list(self.state.phi), delta)
-                theirs = theirs or await self._wait_for_call(self.timeout_s / 2)
+                theirs = theirs or await self._wait_for_call(self.timeout_s / 3)
             else:
                 theirs = await self._wait_for_call(self.timeout_s / 3)
                 theirs = theirs or await self._call(partner, epoch, list(self.state.phi), delta)
-        except (TimeoutError, ProtocolError, ConnectionError, RemoteError, OSError) as e:
+        except Exception as e:  # an unreachable partner, a broken stream, bad tensors: a local step
             logger.info("[%s] epoch %d: exchange failed (%r)", self.node.short_id, epoch, e)
         finally:
             self._offer_epoch = -1  # late requests for this epoch are refused from here on
@@ -124,6 +125,11 @@ class NoLoCoAverager:
             return await asyncio.wait_for(asyncio.shield(self._answered), timeout_s)
         except TimeoutError:
             return None
+
+    def _others(self) -> list[str]:
+        view = self.node.view
+        stage = self.worker.stage
+        return [n.peer_id for n in (view.replicas(stage) if view else ()) if n.peer_id != self.node.peer_id]
 
     def _partner(self, epoch: int) -> str | None:
         view = self.node.view

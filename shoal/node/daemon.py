@@ -235,7 +235,7 @@ class Node:
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
-        if isinstance(self.engine, DataDriver):
+        if self.stage == 0:
             self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
         self._write_ready_file()
         logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
@@ -354,7 +354,7 @@ class Node:
         engine = self.engine
         if engine is None:
             return True
-        return self.inner_step == 0 and not engine.busy and isinstance(engine, StageWorker) and engine.forwards == 0
+        return self.inner_step == 0 and engine.movable
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -104,6 +104,8 @@ class DataDriver(PipelineEngine):
         self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
         self._last_wait_report = 0.0
 
+    movable = False  # a data node keeps its shard, embedding and head
+
     @property
     def busy(self) -> bool:
         return bool(self.in_flight)

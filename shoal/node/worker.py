@@ -97,6 +97,11 @@ class StageWorker(PipelineEngine):
         return bool(self.saved) or bool(self.forwarding)
 
     @property
+    def movable(self) -> bool:
+        """Untrained and idle: this node may still change stage without losing anything."""
+        return not self.busy and self.forwards == 0
+
+    @property
     def reserved(self) -> int:
         return len(self.forwarding)
 
