@@ -150,6 +150,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-averaging-") as tmp:
         for replicas in args.replicas:
             for mode in args.modes:
+                if mode == "none" and replicas != args.replicas[0]:
+                    continue  # the no-averaging baseline once, at the first replica count
                 workdir = Path(tmp) / f"{mode}-{replicas}"
                 workdir.mkdir()
                 run_file = workdir / "run.toml"

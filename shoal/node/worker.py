@@ -25,8 +25,8 @@ from shoal.node.averaging import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.diloco import DiLoCoAverager
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
-from shoal.node.transport import FramedStream, call, open_call, read_reply
-from shoal.protocol.errors import BadTensor
+from shoal.node.stage_copy import copy_stage, serve_stage_copy
+from shoal.node.transport import FramedStream, call
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -37,14 +37,12 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
-    StageCopy,
     StageCopyRequest,
     StepClose,
     check_hop,
 )
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
-from shoal.train.outer import check_partner_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -357,72 +355,13 @@ class StageWorker(PipelineEngine):
             await stop()
         await super().shutdown()
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        theta = [p.detach().clone() for p in self.module.parameters()]
-        phi = list(self.averager.state.phi) if self.averager is not None else theta
-        return theta, phi
-
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
-        """A node joining our stage copies our weights (θ and φ) before it serves."""
-        if request.stage != self.stage:
-            await stream.write_message(Ack(accepted=False, reason=f"this node holds stage {self.stage}"))
-            return
-        theta, phi = await self.compute(self._snapshot, priority=BACKWARD)
-        epoch = self.averager.epoch if self.averager is not None else 0
-        await stream.write_message(Ack(accepted=True))
-        await stream.write_message(
-            StageCopy(inner_step=self.optimizer.step_count, outer_epoch=epoch, tensors=len(theta))
-        )
-        for tensor in (*theta, *phi):
-            await stream.write_tensor(tensor, "float32")
+        await serve_stage_copy(self, request, stream)
         self.copies_served += 1
 
     async def join_by_copy(self) -> str | None:
         """Before serving a stage that has a live replica, take its weights; returns whom we copied."""
-        view = self.node.view
-        sources = [n for n in view.replicas(self.stage) if n.state == "active" and n.peer_id != self.node.peer_id]
-        for source in sorted(sources, key=lambda n: -n.inner_step):
-            try:
-                await self._copy_from(source.peer_id)
-                return source.peer_id
-            except Exception as e:
-                logger.warning("[%s] could not copy stage %d from %s: %s", self.node.short_id, self.stage,
-                               source.peer_id[-8:], e)  # fmt: skip
-        return None
-
-    async def _copy_from(self, peer: str) -> None:
-        stream = await open_call(self.node.dht.p2p, peer, "rpc_copy_stage", self.node.config.rpc_timeout_s)
-        try:
-            await stream.write_message(StageCopyRequest(stage=self.stage))
-            ack = await read_reply(stream, Ack)
-            if not ack.accepted:
-                raise RuntimeError(ack.reason)
-            header = await read_reply(stream, StageCopy)
-            ours = [p.detach() for p in self.module.parameters()]
-            if header.tensors != len(ours):
-                raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(ours)}")
-            received = []
-            for reference in (*ours, *ours):
-                spec = TensorSpec("float32", tuple(reference.shape))
-                received.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
-        finally:
-            stream.close()
-        theta, phi = received[: len(ours)], received[len(ours) :]
-        check_partner_tensors(theta, ours, "copied weights", dtype=torch.float32)
-        check_partner_tensors(phi, ours, "copied slow weights", dtype=torch.float32)
-        await self.compute(self._load_copy, theta, header.inner_step, priority=BACKWARD)
-        if self.averager is not None:
-            self.averager.adopt(phi, header.outer_epoch)
-            self.node.outer_epoch = header.outer_epoch
-        self.node.inner_step = header.inner_step
-        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", self.node.short_id, self.stage,
-                    peer[-8:], header.inner_step, header.outer_epoch)  # fmt: skip
-
-    def _load_copy(self, theta: list[torch.Tensor], inner_step: int) -> None:
-        with torch.no_grad():
-            for param, value in zip(self.module.parameters(), theta, strict=True):
-                param.copy_(value)
-        self.optimizer.step_count = inner_step  # the learning-rate schedule goes on from there
+        return await copy_stage(self)
 
     async def _maybe_step(self) -> None:
         """Step if due and no saved graph waits for its gradient: AdamW updates weights in place,

@@ -1,0 +1,98 @@
+"""Join by copy: a node taking a stage that has a live replica copies that replica's weights (θ), its
+slow weights (φ) and its step counters over one stream before it announces itself active, so it
+serves the swarm's model from its first microbatch instead of a fresh one (papers/noloco.md;
+DESIGN §5, "Join"). What arrives is checked like anything from a peer: count, shapes, dtype, finite.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.node.compute import BACKWARD
+from shoal.node.transport import FramedStream, open_call, read_reply
+from shoal.protocol.errors import BadTensor
+from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
+from shoal.protocol.tensors import TensorSpec
+from shoal.train.outer import check_partner_tensors
+
+if TYPE_CHECKING:
+    from shoal.node.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+WIRE_DTYPE = "float32"
+
+
+def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    theta = [p.detach().clone() for p in worker.module.parameters()]
+    phi = list(worker.averager.state.phi) if worker.averager is not None else theta
+    return theta, phi
+
+
+async def serve_stage_copy(worker: StageWorker, request: StageCopyRequest, stream: FramedStream) -> None:
+    """Answer a joining replica: an Ack, our counters, then θ and φ, taken between compute jobs."""
+    if request.stage != worker.stage:
+        await stream.write_message(Ack(accepted=False, reason=f"this node holds stage {worker.stage}"))
+        return
+    theta, phi = await worker.compute(_snapshot, worker, priority=BACKWARD)
+    epoch = worker.averager.epoch if worker.averager is not None else 0
+    await stream.write_message(Ack(accepted=True))
+    await stream.write_message(StageCopy(inner_step=worker.optimizer.step_count, outer_epoch=epoch, tensors=len(theta)))
+    for tensor in (*theta, *phi):
+        await stream.write_tensor(tensor, WIRE_DTYPE)
+
+
+async def copy_stage(worker: StageWorker) -> str | None:
+    """Copy the most trained active replica of our stage that answers; returns its peer id, or None
+    if the stage has no other active replica (or none gave its weights)."""
+    node = worker.node
+    view = node.view
+    sources = [n for n in view.replicas(worker.stage) if n.state == "active" and n.peer_id != node.peer_id]
+    for source in sorted(sources, key=lambda n: -n.inner_step):
+        try:
+            await _copy_from(worker, source.peer_id)
+            return source.peer_id
+        except Exception as e:
+            logger.warning("[%s] could not copy stage %d from %s: %s", node.short_id, worker.stage,
+                           source.peer_id[-8:], e)  # fmt: skip
+    return None
+
+
+async def _copy_from(worker: StageWorker, peer: str) -> None:
+    node = worker.node
+    ours = [p.detach() for p in worker.module.parameters()]
+    stream = await open_call(node.dht.p2p, peer, "rpc_copy_stage", node.config.rpc_timeout_s)
+    try:
+        await stream.write_message(StageCopyRequest(stage=worker.stage))
+        ack = await read_reply(stream, Ack)
+        if not ack.accepted:
+            raise RuntimeError(ack.reason)
+        header = await read_reply(stream, StageCopy)
+        if header.tensors != len(ours):
+            raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(ours)}")
+        received = []
+        for reference in (*ours, *ours):
+            spec = TensorSpec(WIRE_DTYPE, tuple(reference.shape))
+            received.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
+    finally:
+        stream.close()
+    theta, phi = received[: len(ours)], received[len(ours) :]
+    check_partner_tensors(theta, ours, "copied weights", dtype=torch.float32)
+    check_partner_tensors(phi, ours, "copied slow weights", dtype=torch.float32)
+    await worker.compute(_load, worker, theta, header.inner_step, priority=BACKWARD)
+    if worker.averager is not None:
+        worker.averager.adopt(phi, header.outer_epoch)
+        node.outer_epoch = header.outer_epoch
+    node.inner_step = header.inner_step
+    logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", node.short_id, worker.stage,
+                peer[-8:], header.inner_step, header.outer_epoch)  # fmt: skip
+
+
+def _load(worker: StageWorker, theta: list[torch.Tensor], inner_step: int) -> None:
+    with torch.no_grad():
+        for param, value in zip(worker.module.parameters(), theta, strict=True):
+            param.copy_(value)
+    worker.optimizer.step_count = inner_step  # the learning-rate schedule goes on from there
