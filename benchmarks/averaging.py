@@ -115,7 +115,7 @@ def markdown(result: dict) -> str:
             f"{r['worst_rise_after_30']:.2f} | {r['pair_steps']} / {r['local_steps']} | {exchange} | "
             f"{r['bytes_per_exchange'] / 2**20:.2f} MiB | {'; '.join(first_last) or '-'} | {r['abandoned']} |"
         )
-    return f"""## Averaging: NoLoCo against DiLoCo's all-reduce and against replicas that never share weights
+    return f"""# Averaging: NoLoCo against DiLoCo's all-reduce and against replicas that never share weights
 
 `{result["command"]}` ({result["steps"]} steps of the bundled `tiny` run per swarm, same data and seed,
 H = {result["inner_steps"]}; one run each, on 2 shared cores). "worst rise" is the largest rise of the

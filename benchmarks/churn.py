@@ -214,7 +214,7 @@ def markdown(result: dict) -> str:
         f"{sim[name]['hops redone']} | {sim[name]['over_no_faults']:.2f} |"
         for name in ("churn, GWTF", "churn, SWARM")
     )
-    return f"""## Churn: kill -9 and restart under load, against the same run without faults
+    return f"""# Churn: kill -9 and restart under load, against the same run without faults
 
 `{result["command"]}` ({result["steps"]} steps per run, seed {result["seed"]}; in the churn runs a
 random live worker is SIGKILLed every 12-20 s on the same seeded schedule and a fresh `shoal node`
@@ -233,6 +233,13 @@ calibrated to the fault-free run, {sim["forward_s"] * 1e3:.0f} ms forward per st
 | simulated run | completed | abandoned | sent again | hops redone | throughput / no faults |
 |---|---|---|---|---|---|
 {sim_rows}
+
+The simulator agrees with the daemons that every microbatch completes and none is abandoned. It
+sends no forward pass again where the daemons did: a daemon's hop that acknowledged an activation
+and then died costs a whole forward pass from the data node, where the simulator re-sends from the
+nearest upstream hop. And it is far more optimistic on throughput: it does not model what a restart costs on two shared cores (a fresh `shoal node`
+imports torch, starts its libp2p daemon and measures its own speed, seconds of CPU taken from the
+running workers), nor a data node waiting for a stage whose replicas died together.
 
 Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
 SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**

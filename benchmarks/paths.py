@@ -67,7 +67,7 @@ def markdown(result: dict) -> str:
         f"{r['train_s']:.0f} | {r['abandoned']} |"
         for r in result["runs"]
     )
-    return f"""## SkipPipe paths on real daemons: loss and speed against full paths
+    return f"""# SkipPipe paths on real daemons: loss and speed against full paths
 
 `{result["command"]}` ({result["steps"]} steps, the bundled `tiny` model in {STAGES} stages, one replica
 per stage, one torch thread per process on 2 shared cores; one run each). Validation loss is the
