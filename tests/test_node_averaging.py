@@ -79,11 +79,13 @@ def test_diloco_all_reduces_every_h_steps_through_hivemind_and_replicas_agree(sw
                                            "averaging.alpha": 0.3})  # fmt: skip
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = {i: tmp_path / f"stage1-{i}.json" for i in (0, 1)}
-    workers = [
-        swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path))  # one after the other:
-        for path in stats.values()  # the second joins the first one's averaging DHT
+    workers = [  # started together: the junior replica waits for the senior's averaging DHT and joins it
+        swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path), wait=False)
+        for path in stats.values()
     ]
-    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2"))
+    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2", wait=False))
+    for worker in workers:
+        swarm.wait_ready(worker)
     progress = tmp_path / "progress.jsonl"
     swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
     done = wait_until(lambda: done_event(progress), 300, "the data node to finish")

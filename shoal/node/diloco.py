@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_MATCHMAKING_S = 1.0
-STARTUP_TIMEOUT_S = 60.0  # how long a replica looks for the others before averaging with who came
+STARTUP_TIMEOUT_S = 60.0
+SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging with who came
 
 
 class DiLoCoAverager:
@@ -53,8 +54,7 @@ class DiLoCoAverager:
     async def start(self) -> None:
         """Start this replica's averaging DHT and averager, joined to the other replicas' (blocking
         work, done in a thread)."""
-        view = self.node.view
-        others = [n for n in (view.replicas(self.worker.stage) if view else ()) if n.peer_id != self.node.peer_id]
+        others = await self._seniors_ready()
         initial = [m for n in others for m in n.averager_maddrs]
         group = max(2, len(others) + 1)
         loop = asyncio.get_running_loop()
@@ -69,6 +69,21 @@ class DiLoCoAverager:
         await loop.run_in_executor(None, self.averager.wait_until_ready, STARTUP_TIMEOUT_S)
         logger.info("[%s] DiLoCo averager for stage %d up (group of %d, joined %d addresses)",
                     self.node.short_id, self.worker.stage, group, len(initial))  # fmt: skip
+
+    async def _seniors_ready(self) -> list:
+        """The other replicas of our stage, once every more senior one advertises its averaging DHT
+        (bounded): replicas that start together would otherwise each start a DHT of their own and
+        never meet. The most senior starts at once; the others join it."""
+        node, stage = self.node, self.worker.stage
+        me = (node.started_at, node.peer_id)
+        deadline = time.monotonic() + SENIOR_WAIT_S
+        while True:
+            view = await node.refresh_view()
+            others = [n for n in view.replicas(stage) if n.peer_id != node.peer_id]
+            seniors = [n for n in others if (n.started_at, n.peer_id) < me]
+            if all(n.averager_maddrs for n in seniors) or time.monotonic() > deadline:
+                return others
+            await asyncio.sleep(0.5)
 
     def _create(self, initial_peers: list[str], group: int) -> None:
         from hivemind.averaging import DecentralizedAverager
