@@ -51,21 +51,22 @@ def test_a_node_started_mid_run_serves_with_copied_weights(swarm, tmp_path):
     run_file = write_tiny_run(tmp_path, **{"train.steps": 40, "averaging.inner_steps": 5})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     fast = ("--record-ttl", "6")  # heartbeats every 2 s: the data node routes to the newcomer soon after it joins
-    for stage in (1, 2):
-        swarm.start_node([entry], *fast, "--role", "worker", "--stage", str(stage), wait=False)
+    swarm.start_node([entry], *fast, "--role", "worker", "--stage", "1", wait=False)
+    # stage 2 holds step 15's gradients for a while, so the newcomer joins mid-run however busy the machine is
+    holder = swarm.start_node([entry], *fast, "--role", "worker", "--stage", "2", "--inject-upstream-delay", "15:25",
+                              wait=False)  # fmt: skip
     progress = tmp_path / "progress.jsonl"
     swarm.start_node([entry], *fast, "--role", "data", "--progress-file", str(progress))
-    wait_until(lambda: any(e.get("step", -1) >= 15 for e in progress_events(progress)), 240, "step 15")
+    wait_until(lambda: "holding the gradient" in holder.log(), 240, "the hold at step 15")
 
     newcomer = swarm.start_node([entry], *fast, "--role", "worker", "--stage", "1", "--stats-file",
                                 str(tmp_path / "newcomer.json"))  # fmt: skip
-    joined_at = max(e["step"] for e in progress_events(progress) if e["event"] == "step")
     assert "copied stage 1 from" in newcomer.log()
     done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
     assert done["microbatches_abandoned"] == 0
     losses = {e["step"]: e["loss"] for e in progress_events(progress) if e["event"] == "step"}
-    before = min(losses[s] for s in range(joined_at - 5, joined_at + 1))
-    after = [losses[s] for s in range(joined_at + 1, 40)]
+    before = min(losses[s] for s in range(10, 16))
+    after = [losses[s] for s in range(16, 40)]
     # half the microbatches now pass through the newcomer: a fresh stage would send the loss back up
     # to about ln(vocab) = 5.7; copied weights keep it where the swarm was
     assert max(after) < before + 0.5, (before, after)
