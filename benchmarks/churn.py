@@ -238,8 +238,9 @@ The simulator agrees with the daemons that every microbatch completes and none i
 sends no forward pass again where the daemons did: a daemon's hop that acknowledged an activation
 and then died costs a whole forward pass from the data node, where the simulator re-sends from the
 nearest upstream hop. And it is far more optimistic on throughput: it does not model what a
-restart costs on two shared cores (a fresh `shoal node` imports torch, starts its libp2p daemon and measures its own speed, seconds of CPU taken from the
-running workers), nor a data node waiting for a stage whose replicas died together.
+restart costs on two shared cores (a fresh `shoal node` imports torch, starts its libp2p daemon
+and measures its own speed, seconds of CPU taken from the running workers), nor a data node
+waiting for a stage whose replicas died together.
 
 Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
 SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**
