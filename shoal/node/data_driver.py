@@ -148,6 +148,7 @@ class DataDriver(PipelineEngine):
         await self.wait_for_pipeline()
         started = time.monotonic()
         self._progress({"event": "start", "peer_id": self.node.peer_id, "run_id": self.run.run_id})
+        self.spawn(self._watch_stages(), "watch stages")
         for step in range(self.run.train.steps):
             result = await self.train_step(step)
             self.history.append(result)
@@ -265,12 +266,22 @@ class DataDriver(PipelineEngine):
                 return route
             if time.monotonic() >= deadline:
                 return None
-            if view is not None and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
-                missing = view.stages_without_replica()
-                self.waiting_for = missing
+            await asyncio.sleep(STAGE_POLL_S)
+
+    async def _watch_stages(self) -> None:
+        """While training, say (in the log, the progress file and the node record) which block stages
+        have no live replica: the run is waiting for them, wherever its microbatches are held (here
+        for a route, or at a worker waiting for a replacement hop)."""
+        while not self.finished.is_set():
+            view = self.node.view
+            missing = view.stages_without_replica() if view is not None else []
+            self.waiting_for = missing
+            if missing and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
                 logger.warning("[%s] waiting for a live replica of stage(s) %s", self.node.short_id, missing)
                 self._progress({"event": "waiting", "stages": missing, "ledger": self.ledger.summary()})
                 self._last_wait_report = time.monotonic()
+            elif not missing:
+                self._last_wait_report = 0.0
             await asyncio.sleep(STAGE_POLL_S)
 
     async def _microbatch(
@@ -299,7 +310,6 @@ class DataDriver(PipelineEngine):
                     missing = self.node.view.stages_without_replica()
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
-                self.waiting_for = []
                 outcome, entry = await self._attempt(
                     base_id, attempt, step, embedded, targets, loss_scale, route, train
                 )
