@@ -81,6 +81,30 @@ class AveragingConfig:
     exchange_timeout_s: float = 10.0  # no partner by then: a local outer step
 
 
+REPAIR_RULES = ("checkfree", "checkfree_plus", "uniform", "copy", "random")
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    """How a node rebuilds a block stage that no live replica holds any more (papers/checkfree.md;
+    the rules are in shoal.train.repair). checkfree: gradient-weighted average of the two neighbours,
+    an edge stage copies its one block neighbour; checkfree_plus: edge stages copy their swap partner,
+    and `swap_share` of the microbatches run with the partners swapped so that they learn to stand in
+    for each other (it costs some convergence without failures, so it is not the default); uniform,
+    copy and random are the baselines."""
+
+    rule: str = "checkfree"
+    swap_share: float = -1.0  # <0: 0.5 under checkfree_plus, 0 otherwise
+    lr_scale: float = 1.1  # the rebuilt stage's fresh optimizer runs at this multiple of the schedule
+    weights_from: str = "unclipped"  # the gradient norm that weighs the neighbours: unclipped or clipped
+
+    @property
+    def swaps(self) -> float:
+        if self.swap_share >= 0:
+            return self.swap_share
+        return 0.5 if self.rule == "checkfree_plus" else 0.0
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny"
@@ -90,6 +114,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    repair: RepairConfig = field(default_factory=RepairConfig)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -223,6 +248,17 @@ def _validate(cfg: RunConfig) -> None:
     need(0.0 <= a.gamma <= 2.0, "averaging.gamma", f"must be in [0, 2], got {a.gamma}")
     need(a.group_size == 2, "averaging.group_size", f"only pairs (2) are implemented, got {a.group_size}")
     need(a.exchange_timeout_s > 0, "averaging.exchange_timeout_s", "must be positive")
+    r = cfg.repair
+    need(r.rule in REPAIR_RULES, "repair.rule", f"must be one of {', '.join(REPAIR_RULES)}, got {r.rule!r}")
+    need(
+        r.swap_share <= 1.0, "repair.swap_share", f"must be at most 1 (or negative for the default), got {r.swap_share}"
+    )
+    need(r.lr_scale > 0, "repair.lr_scale", f"must be positive, got {r.lr_scale}")
+    need(
+        r.weights_from in ("unclipped", "clipped"),
+        "repair.weights_from",
+        f"must be unclipped or clipped, got {r.weights_from!r}",
+    )
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
