@@ -18,6 +18,9 @@ pytestmark = pytest.mark.timeout(120)
 RUN = load_run_config("tiny")
 
 
+REPAIR = {"stage": 2, "rule": "checkfree", "sources": [1, 3], "inner_step": 40, "seconds": 0.5, "at": 1.0, "note": ""}
+
+
 def _node_record(peer_id: str, **changes) -> dict:
     record = {
         "kind": "node",
@@ -33,6 +36,8 @@ def _node_record(peer_id: str, **changes) -> dict:
         "outer_epoch": 0,
         "loss": None,
         "grad_norm": None,
+        "grad_norm_clipped": None,
+        "repair": None,
         "waiting_for": [],
         "links": [],
         "replica_distance": None,
@@ -56,7 +61,7 @@ def test_forged_foreign_and_malformed_records_are_refused():
         honest, attacker = await _two_peers()
         try:
             expires = get_dht_time() + 30
-            assert await honest.publish_node(_node_record(honest.peer_id), ttl_s=30)
+            assert await honest.publish_node(_node_record(honest.peer_id, repair=REPAIR), ttl_s=30)
             key = nodes_key(RUN.run_id)
 
             # A record under the honest peer's subkey, signed by the attacker: refused.
@@ -67,6 +72,8 @@ def test_forged_foreign_and_malformed_records_are_refused():
                 _node_record(attacker.peer_id, stage="two"),
                 _node_record(attacker.peer_id, loss=-1.0),
                 _node_record(attacker.peer_id, role="king"),
+                _node_record(attacker.peer_id, repair=dict(REPAIR, rule="magic")),
+                _node_record(attacker.peer_id, repair=dict(REPAIR, sources=[1, 2, 3])),
                 {"kind": "node"},
                 [1, 2, 3],
                 dict(_node_record(attacker.peer_id), extra=1),
@@ -98,6 +105,7 @@ def test_forged_foreign_and_malformed_records_are_refused():
             # What the honest peer sees: only its own, unchanged record; and no run config.
             view = await honest.read_view(RUN)
             assert [(n.peer_id, n.stage) for n in view.nodes] == [(honest.peer_id, 1)]
+            assert (view.nodes[0].repair.rule, view.nodes[0].repair.sources) == ("checkfree", (1, 3))
             assert await attacker.read_runs("tiny") == []
             # The real config, published by its host, is accepted and verifiable.
             assert await honest.publish_run(RUN, ttl_s=30, as_default=True)

@@ -137,3 +137,39 @@ def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward
         "abandoned": done["microbatches_abandoned"],
     }
     assert real == _simulated_crash_in_backward() == {"sent again": 0, "hops redone": 1, "abandoned": 0}
+
+
+def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_training_goes_on(swarm, tmp_path):
+    # CheckFree+ on three one-layer block stages: half the microbatches run with a pair of partner
+    # stages swapped; the middle stage has no swap partner and is rebuilt from both neighbours.
+    overrides = {"train.steps": 40, "model.n_layers": 3, "pipeline.stages": 4, "repair.rule": "checkfree_plus",
+                 "averaging.mode": "none"}  # fmt: skip
+    run_file = write_tiny_run(tmp_path, **overrides)
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", TTL, "--role", "worker")
+    workers = [swarm.start_node([entry], *common, "--stage", str(s), wait=False) for s in (1, 2, 3)]
+    for worker in workers:
+        swarm.wait_ready(worker)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
+    wait_until(lambda: any(e.get("step", -1) >= 15 for e in progress_events(progress)), 240, "step 15")
+    swarm.kill(workers[1])  # stage 2's only replica: its weights are gone
+    wait_until(lambda: any(e["event"] == "waiting" for e in progress_events(progress)), 120, "the data node to wait")
+    newcomer = swarm.start_node([entry], *common, "--stage", "2")
+
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    events = progress_events(progress)
+    repair = next(e for e in events if e["event"] == "repair")
+    assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "checkfree", [1, 3])
+    assert repair["peer_id"] == newcomer.peer_id and repair["inner_step"] >= 15
+    assert re.search(r"rebuilt by checkfree from stage\(s\) \[1, 3\] \(mix 0\.\d\d/0\.\d\d\)", newcomer.log())
+    status = swarm.status(entry)
+    assert [(r["stage"], r["rule"], r["peer_id"]) for r in status["repairs"]] == [(2, "checkfree", newcomer.peer_id)]
+
+    assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
+    assert done["microbatches_completed"] == done["microbatches_injected"] and done["steps"] == 40
+    steps = [e for e in events if e["event"] == "step"]
+    assert 0.25 < steps[-1]["swapped"] / (40 * 4) < 0.75  # about half the microbatches ran swapped
+    losses = [e["loss"] for e in steps]
+    before = sum(losses[repair["step"] - 3 : repair["step"]]) / 3
+    assert min(losses[repair["step"] : repair["step"] + 8]) < before  # back under the pre-failure loss

@@ -10,7 +10,15 @@ from typing import Any
 
 from pydantic import v1 as pydantic
 
-from shoal.planning.swarm_view import ROLE_DATA, ROLE_WORKER, STATE_ACTIVE, STATE_JOINING, STATE_LEAVING, NodeInfo
+from shoal.planning.swarm_view import (
+    ROLE_DATA,
+    ROLE_WORKER,
+    STATE_ACTIVE,
+    STATE_JOINING,
+    STATE_LEAVING,
+    NodeInfo,
+    RepairNote,
+)
 
 MAX_MADDRS = 16
 MAX_LINKS = 32
@@ -35,6 +43,18 @@ class LinkRecord(_Strict):
     bandwidth_Bps: _finite  # type: ignore[valid-type]
 
 
+class RepairRecord(_Strict):
+    """How this node rebuilt a stage nobody held any more (CheckFree): the rule, from which stages."""
+
+    stage: pydantic.conint(strict=True, ge=1, le=4096)  # type: ignore[valid-type]
+    rule: pydantic.constr(strict=True, regex="^(checkfree|copy_partner|copy|uniform|random)$")  # type: ignore[valid-type]
+    sources: pydantic.conlist(pydantic.conint(strict=True, ge=1, le=4096), max_items=2)  # type: ignore[valid-type]
+    inner_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    seconds: _finite  # type: ignore[valid-type]
+    at: _finite  # type: ignore[valid-type]
+    note: pydantic.constr(strict=True, max_length=200)  # type: ignore[valid-type]
+
+
 class NodeRecord(_Strict):
     kind: pydantic.constr(strict=True, regex="^node$")  # type: ignore[valid-type]
     run_id: _id  # type: ignore[valid-type]
@@ -49,6 +69,7 @@ class NodeRecord(_Strict):
     outer_epoch: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     loss: _finite | None  # type: ignore[valid-type]
     grad_norm: _finite | None  # type: ignore[valid-type]
+    grad_norm_clipped: _finite | None  # type: ignore[valid-type]
     protocol_version: pydantic.conint(strict=True, ge=0, le=1_000_000)  # type: ignore[valid-type]
     started_at: _finite  # type: ignore[valid-type]
     updated_at: _finite  # type: ignore[valid-type]
@@ -58,6 +79,7 @@ class NodeRecord(_Strict):
     replica_distance: _finite | None  # type: ignore[valid-type]
     # DiLoCo: where this replica's averaging DHT listens (hivemind's averager needs a DHT of its own)
     averager_maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
+    repair: RepairRecord | None
 
 
 class RunRecord(_Strict):
@@ -95,6 +117,10 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         links=tuple((link.peer_id, link.latency_s, link.bandwidth_Bps) for link in record.links),
         loss=record.loss,
         grad_norm=record.grad_norm,
+        grad_norm_clipped=record.grad_norm_clipped,
+        repair=None
+        if record.repair is None
+        else RepairNote(**{**record.repair.dict(), "sources": tuple(record.repair.sources)}),
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

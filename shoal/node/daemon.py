@@ -29,6 +29,7 @@ from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
 from shoal.node.links import LinkMonitor
 from shoal.node.pipeline_service import PipelineService
+from shoal.node.stage_repair import repair_stage, stage_was_lost
 from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
 from shoal.planning.assignment import Candidate
@@ -117,6 +118,8 @@ class Node:
         self.outer_epoch = 0
         self.loss: float | None = None
         self.grad_norm: float | None = None
+        self.grad_norm_clipped: float | None = None
+        self.repair: dict | None = None  # CheckFree: how this node rebuilt its stage (see stage_repair.py)
         self.replica_distance: float | None = None  # to the last NoLoCo partner, before averaging
         self.view: SwarmView | None = None
         self.router = PeerRouter(routing_policy(config, run), run_cost_model(run), seed=dht.peer_id)
@@ -193,6 +196,7 @@ class Node:
             "outer_epoch": int(self.outer_epoch),
             "loss": None if self.loss is None else float(self.loss),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+            "grad_norm_clipped": None if self.grad_norm_clipped is None else float(self.grad_norm_clipped),
             "protocol_version": PROTOCOL_VERSION,
             "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
@@ -200,6 +204,7 @@ class Node:
             "links": self.links.advertised(),
             "replica_distance": None if self.replica_distance is None else float(self.replica_distance),
             "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
+            "repair": self.repair,
         }
 
     async def publish(self) -> bool:
@@ -288,10 +293,12 @@ class Node:
             worker = StageWorker(self, self.stage)
             self.engine = worker
             source = await worker.join_by_copy()  # before we announce ourselves active
-            await worker.start_averaging()
-            if source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
+            if source is None and stage_was_lost(worker):
+                await repair_stage(worker)
+            elif source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
                 logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
                                self.short_id, self.stage)  # fmt: skip
+            await worker.start_averaging()
 
     async def _train(self, driver: DataDriver) -> None:
         try:

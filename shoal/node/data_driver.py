@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -37,6 +38,7 @@ from shoal.protocol.pipeline import (
 )
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
+from shoal.train.repair import swapped_order
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,9 @@ class DataDriver(PipelineEngine):
         self.waiting_for: list[int] = []  # block stages with no live replica while we wait for one
         self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
         self._last_wait_report = 0.0
+        self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
+        self.repairs_seen: set[tuple[str, float]] = set()
+        self.current_step = 0
 
     movable = False  # a data node keeps its shard, embedding and head
 
@@ -150,6 +155,7 @@ class DataDriver(PipelineEngine):
         self._progress({"event": "start", "peer_id": self.node.peer_id, "run_id": self.run.run_id})
         self.spawn(self._watch_stages(), "watch stages")
         for step in range(self.run.train.steps):
+            self.current_step = step
             result = await self.train_step(step)
             self.history.append(result)
             self.node.loss = result.loss
@@ -163,6 +169,7 @@ class DataDriver(PipelineEngine):
                     "elapsed_s": time.monotonic() - started,
                     "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                     "in_flight": self.ledger.in_flight,
+                    "swapped": self.swapped,
                     **self.ledger.summary(),
                     **result.extra,
                 }
@@ -198,6 +205,7 @@ class DataDriver(PipelineEngine):
         stats = await self.compute(self.optimizer.step)
         await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
+        self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
         tokens_per_microbatch = inputs.numel() // n_micro
         return StepResult(
             step=step,
@@ -268,6 +276,19 @@ class DataDriver(PipelineEngine):
                 return None
             await asyncio.sleep(STAGE_POLL_S)
 
+    def _swapped(self, routed: Routed, base_id: str) -> Routed:
+        """CheckFree+: a share of the microbatches (drawn by microbatch id, so a resend keeps its order)
+        run with the edge block stages swapped with their partners, so that each learns to stand in
+        for the other and a lost edge stage can be rebuilt by copying its partner."""
+        share = self.run.repair.swaps
+        draw = random.Random(f"{self.run.run_id}:swap:{base_id}")
+        if share <= 0 or draw.random() >= share:
+            return routed
+        peers = dict(routed.hops)
+        order = swapped_order([s for s, _ in routed.hops], self.run.pipeline.stages, draw.randrange(2))
+        self.swapped += 1
+        return replace(routed, hops=tuple((s, peers[s]) for s in order))
+
     async def _watch_stages(self) -> None:
         """While training, say (in the log, the progress file and the node record) which block stages
         have no live replica: the run is waiting for them, wherever its microbatches are held (here
@@ -282,7 +303,20 @@ class DataDriver(PipelineEngine):
                 self._last_wait_report = time.monotonic()
             elif not missing:
                 self._last_wait_report = 0.0
+            self._note_repairs(view)
             await asyncio.sleep(STAGE_POLL_S)
+
+    def _note_repairs(self, view) -> None:
+        """A worker that rebuilt a lost stage says so in its record: mark the step it happened at."""
+        for node in view.live_nodes() if view is not None else ():
+            repair = node.repair
+            if repair is None or (node.peer_id, repair.at) in self.repairs_seen:
+                continue
+            self.repairs_seen.add((node.peer_id, repair.at))
+            event = {"event": "repair", "step": self.current_step, "peer_id": node.peer_id, **asdict(repair)}
+            logger.info("[%s] stage %d rebuilt by %s from %s", self.node.short_id, repair.stage, repair.rule,
+                        list(repair.sources))  # fmt: skip
+            self._progress(event)
 
     async def _microbatch(
         self,
@@ -310,6 +344,8 @@ class DataDriver(PipelineEngine):
                     missing = self.node.view.stages_without_replica()
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
+                if train:
+                    route = self._swapped(route, base_id)
                 outcome, entry = await self._attempt(
                     base_id, attempt, step, embedded, targets, loss_scale, route, train
                 )

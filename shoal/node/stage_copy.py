@@ -7,6 +7,7 @@ DESIGN §5, "Join"). What arrives is checked like anything from a peer: count, s
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from shoal.protocol.tensors import TensorSpec
 from shoal.train.outer import check_partner_tensors
 
 if TYPE_CHECKING:
+    from shoal.node.daemon import Node
     from shoal.node.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -33,16 +35,63 @@ def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], list[torch.Tenso
 
 
 async def serve_stage_copy(worker: StageWorker, request: StageCopyRequest, stream: FramedStream) -> None:
-    """Answer a joining replica: an Ack, our counters, then θ and φ, taken between compute jobs."""
+    """Answer a joining replica (or a node rebuilding a neighbouring stage): an Ack, our counters and
+    last gradient norms, then θ and φ, taken between compute jobs."""
     if request.stage != worker.stage:
         await stream.write_message(Ack(accepted=False, reason=f"this node holds stage {worker.stage}"))
         return
     theta, phi = await worker.compute(_snapshot, worker, priority=BACKWARD)
     epoch = worker.averager.epoch if worker.averager is not None else 0
+    node = worker.node
     await stream.write_message(Ack(accepted=True))
-    await stream.write_message(StageCopy(inner_step=worker.optimizer.step_count, outer_epoch=epoch, tensors=len(theta)))
+    header = StageCopy(
+        inner_step=worker.optimizer.step_count,
+        outer_epoch=epoch,
+        tensors=len(theta),
+        grad_norm=node.grad_norm,
+        grad_norm_clipped=node.grad_norm_clipped,
+    )
+    await stream.write_message(header)
     for tensor in (*theta, *phi):
         await stream.write_tensor(tensor, WIRE_DTYPE)
+
+
+@dataclass(frozen=True)
+class FetchedStage:
+    """A replica's stage as it gave it: checked tensors, its counters and its last gradient norms."""
+
+    peer_id: str
+    stage: int
+    theta: list[torch.Tensor]
+    phi: list[torch.Tensor]
+    inner_step: int
+    outer_epoch: int
+    grad_norm: float | None
+    grad_norm_clipped: float | None
+
+
+async def fetch_stage(node: Node, peer: str, stage: int, reference: list[torch.Tensor]) -> FetchedStage:
+    """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite)."""
+    stream = await open_call(node.dht.p2p, peer, "rpc_copy_stage", node.config.rpc_timeout_s)
+    try:
+        await stream.write_message(StageCopyRequest(stage=stage))
+        ack = await read_reply(stream, Ack)
+        if not ack.accepted:
+            raise RuntimeError(ack.reason)
+        header = await read_reply(stream, StageCopy)
+        if header.tensors != len(reference):
+            raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(reference)}")
+        received = []
+        for like in (*reference, *reference):
+            spec = TensorSpec(WIRE_DTYPE, tuple(like.shape))
+            received.append(await stream.read_tensor(spec, max_bytes=like.numel() * 4))
+    finally:
+        stream.close()
+    theta, phi = received[: len(reference)], received[len(reference) :]
+    check_partner_tensors(theta, reference, "copied weights", dtype=torch.float32)
+    check_partner_tensors(phi, reference, "copied slow weights", dtype=torch.float32)
+    return FetchedStage(peer, stage, theta, phi, header.inner_step, header.outer_epoch, header.grad_norm,
+                        header.grad_norm_clipped)  # fmt: skip
 
 
 async def copy_stage(worker: StageWorker) -> str | None:
@@ -51,44 +100,30 @@ async def copy_stage(worker: StageWorker) -> str | None:
     node = worker.node
     view = node.view
     sources = [n for n in view.replicas(worker.stage) if n.state == "active" and n.peer_id != node.peer_id]
+    ours = [p.detach() for p in worker.module.parameters()]
     for source in sorted(sources, key=lambda n: -n.inner_step):
         try:
-            await _copy_from(worker, source.peer_id)
-            return source.peer_id
+            fetched = await fetch_stage(node, source.peer_id, worker.stage, ours)
         except Exception as e:
             logger.warning("[%s] could not copy stage %d from %s: %s", node.short_id, worker.stage,
                            source.peer_id[-8:], e)  # fmt: skip
+            continue
+        await adopt_stage(worker, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch)
+        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", node.short_id, worker.stage,
+                    source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch)  # fmt: skip
+        return source.peer_id
     return None
 
 
-async def _copy_from(worker: StageWorker, peer: str) -> None:
-    node = worker.node
-    ours = [p.detach() for p in worker.module.parameters()]
-    stream = await open_call(node.dht.p2p, peer, "rpc_copy_stage", node.config.rpc_timeout_s)
-    try:
-        await stream.write_message(StageCopyRequest(stage=worker.stage))
-        ack = await read_reply(stream, Ack)
-        if not ack.accepted:
-            raise RuntimeError(ack.reason)
-        header = await read_reply(stream, StageCopy)
-        if header.tensors != len(ours):
-            raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(ours)}")
-        received = []
-        for reference in (*ours, *ours):
-            spec = TensorSpec(WIRE_DTYPE, tuple(reference.shape))
-            received.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
-    finally:
-        stream.close()
-    theta, phi = received[: len(ours)], received[len(ours) :]
-    check_partner_tensors(theta, ours, "copied weights", dtype=torch.float32)
-    check_partner_tensors(phi, ours, "copied slow weights", dtype=torch.float32)
-    await worker.compute(_load, worker, theta, header.inner_step, priority=BACKWARD)
+async def adopt_stage(
+    worker: StageWorker, theta: list[torch.Tensor], phi: list[torch.Tensor], inner_step: int, outer_epoch: int
+) -> None:
+    """Serve these weights from now on, with the swarm's counters (the schedule goes on from there)."""
+    await worker.compute(_load, worker, theta, inner_step, priority=BACKWARD)
     if worker.averager is not None:
-        worker.averager.adopt(phi, header.outer_epoch)
-        node.outer_epoch = header.outer_epoch
-    node.inner_step = header.inner_step
-    logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", node.short_id, worker.stage,
-                peer[-8:], header.inner_step, header.outer_epoch)  # fmt: skip
+        worker.averager.adopt(phi, outer_epoch)
+        worker.node.outer_epoch = outer_epoch
+    worker.node.inner_step = inner_step
 
 
 def _load(worker: StageWorker, theta: list[torch.Tensor], inner_step: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import Any
 
 from shoal.node.command import add_network_arguments
@@ -85,15 +86,19 @@ def summarize(run, view) -> dict[str, Any]:
                 "maddrs": list(n.maddrs),
                 "waiting_for": list(n.waiting_for),
                 "replica_distance": n.replica_distance,
+                "grad_norm_clipped": n.grad_norm_clipped,
+                "repair": None if n.repair is None else asdict(n.repair),
             }
         )
     stages = [
         {"stage": s, "replicas": len(view.replicas(s)), "throughput": view.stage_throughput(s) if s else None}
         for s in range(view.stages)
     ]
+    repairs = [{"peer_id": n["peer_id"], **n["repair"]} for n in nodes if n["repair"] is not None]
     return {
         "run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
         "nodes": nodes,
+        "repairs": repairs,
         "stages": stages,
         "needs": swarm_needs(view),
     }
@@ -123,6 +128,13 @@ def print_table(doc: dict[str, Any]) -> None:
     console.print(table)
     covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])
     console.print(f"replicas per stage  {covered}")
+    for repair in doc["repairs"]:
+        sources = ", ".join(str(s) for s in repair["sources"]) or "nothing"
+        note = f" ({repair['note']})" if repair["note"] else ""
+        console.print(
+            f"stage {repair['stage']} rebuilt by {repair['rule']} from stage(s) {sources} at inner step "
+            f"{repair['inner_step']} by …{repair['peer_id'][-10:]}{note}"
+        )
     needs = doc["needs"]
     console.print(Text(needs["message"], style="bold green" if needs["ready"] else "bold yellow"))
 

@@ -372,6 +372,7 @@ class StageWorker(PipelineEngine):
         stats = await self.compute(self.optimizer.step, priority=BACKWARD)
         self.node.inner_step = self.optimizer.step_count
         self.node.grad_norm = stats.grad_norm
+        self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
 
     async def notify_abandon(self, origin: str, microbatch_id: str, reason: str) -> None:
         logger.warning("[%s] %s cannot go on: %s", self.node.short_id, microbatch_id, reason)

@@ -20,6 +20,19 @@ STATE_LEAVING = "leaving"
 
 
 @dataclass(frozen=True)
+class RepairNote:
+    """A node rebuilt `stage` (no replica held it any more) by `rule` from the `sources` stages."""
+
+    stage: StageIndex
+    rule: str
+    sources: tuple[StageIndex, ...]
+    inner_step: int
+    seconds: float
+    at: float  # DHT time it went live
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     peer_id: PeerID
     role: str  # ROLE_DATA (stage 0) or ROLE_WORKER (a block stage)
@@ -32,6 +45,7 @@ class NodeInfo:
     outer_epoch: int = 0
     loss: float | None = None
     grad_norm: float | None = None
+    grad_norm_clipped: float | None = None
     protocol_version: int = 1
     started_at: float = 0.0
     updated_at: float = 0.0
@@ -40,6 +54,7 @@ class NodeInfo:
     links: tuple[tuple[PeerID, float, float], ...] = ()  # (peer, one-way latency s, bandwidth B/s) it measured
     replica_distance: float | None = None  # NoLoCo: ‖θ − θ_partner‖ before its last pair update
     averager_maddrs: tuple[str, ...] = ()  # DiLoCo: its averaging DHT's addresses
+    repair: RepairNote | None = None  # CheckFree: how this node rebuilt its stage, if it did
 
     @property
     def live(self) -> bool:

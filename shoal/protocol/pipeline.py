@@ -131,16 +131,20 @@ class GossipRequest:
 
 @message("copy_stage")
 class StageCopyRequest:
-    """A node joining `stage` asks a live replica for its weights before it serves."""
+    """A node joining `stage` asks a live replica for its weights before it serves; a node rebuilding
+    a lost stage asks the neighbouring stages' replicas for theirs (CheckFree)."""
 
     stage: int
 
 
 @message("stage_copy")
 class StageCopy:
-    """The answer to a StageCopyRequest: the replica's counters, then `tensors` tensors of θ and the
-    same number of φ (its slow weights)."""
+    """The answer to a StageCopyRequest: the replica's counters and last gradient norms (unclipped and
+    clipped; None before its first step), then `tensors` tensors of θ and the same number of φ (its
+    slow weights)."""
 
     inner_step: int
     outer_epoch: int
     tensors: int
+    grad_norm: float | None = None
+    grad_norm_clipped: float | None = None

@@ -8,7 +8,9 @@ peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: 
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2  # 2: node records carry `waiting_for`; recompute, output fetch, recover and step-close messages
+PROTOCOL_VERSION = (
+    3  # 3: stage copies carry gradient norms, node records a repair; 2: `waiting_for`, recompute, step close
+)
 
 
 def is_compatible(version: object) -> bool:

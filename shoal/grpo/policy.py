@@ -1,0 +1,101 @@
+"""A whole (small) policy: the project's LLaMA-style decoder over a task's character tokenizer.
+
+`PolicySpec` is everything that makes one policy differ from another (width, depth, seed, warm-up);
+its `model_id` is the stable string a node declares in its record and stamps on its bundles. Two
+nodes with the same spec start from bit-identical weights (the decoder seeds every weight from the
+spec's seed), so "same model id" means "same starting policy".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.grpo.tasks import get_task
+from shoal.grpo.tokenizer import PAD_ID, CharTokenizer
+from shoal.model.config import ModelConfig
+from shoal.model.llama import BlockStage, HeadStage
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    task: str = "add2r"
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    seed: int = 0
+    warmup_steps: int = 400  # supervised steps on demonstrations before any GRPO
+    warmup_batch: int = 64
+    warmup_lr: float = 3e-3
+    max_seq_len: int = 24  # prompt + completion
+
+    @property
+    def model_id(self) -> str:
+        """Readable prefix plus a digest of every field: equal ids mean equal starting weights."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.task}-d{self.d_model}l{self.n_layers}-w{self.warmup_steps}-s{self.seed}-{digest}"
+
+    def tokenizer(self) -> CharTokenizer:
+        return CharTokenizer(get_task(self.task).alphabet)
+
+    def model_config(self) -> ModelConfig:
+        ffn = 32 * round(8 * self.d_model / 3 / 32)  # SwiGLU width ~8/3 d, a multiple of 32
+        return ModelConfig(
+            vocab_size=self.tokenizer().vocab_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            ffn_hidden=ffn,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+class Policy(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V), with padding never predicted."""
+
+    def __init__(self, spec: PolicySpec):
+        super().__init__()
+        self.spec = spec
+        cfg = spec.model_config()
+        self.head = HeadStage(cfg, spec.seed)
+        self.body = BlockStage(cfg, range(cfg.n_layers), spec.seed)
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.model_id
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head.logits(self.body(self.head.embed(tokens)))  # (B, T, V)
+        return logits.index_fill(-1, torch.tensor([PAD_ID]), float("-inf"))
+
+
+def completion_logprobs(
+    policy: Policy, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of each completion given its prompt, in one forward pass.
+
+    Returns (logp, mask), both (N, T) with T the longest completion; positions past a completion's
+    end have mask False and logp 0. Gradients flow into the policy.
+    """
+    n, width = len(prompts), max((len(c) for c in completions), default=0)
+    total = max(len(p) for p in prompts) + width  # so every position below stays inside
+    seqs = torch.full((n, total), PAD_ID, dtype=torch.long)
+    targets = torch.full((n, width), PAD_ID, dtype=torch.long)
+    starts = torch.empty(n, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seqs[i, : len(p) + len(c)] = torch.tensor(p + c)
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        starts[i] = len(p) - 1  # the position whose logits predict the first completion token
+    mask = targets != PAD_ID
+    positions = starts[:, None] + torch.arange(width)  # (N, T), always < total
+    logits = policy(seqs)  # (N, L, V)
+    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))  # (N, T, V)
+    picked = targets.masked_fill(~mask, PAD_ID + 1)  # any real token: padding has log-prob -inf
+    logp = F.log_softmax(logits, dim=-1).gather(-1, picked[..., None]).squeeze(-1)  # (N, T)
+    return logp.masked_fill(~mask, 0.0), mask

@@ -1,0 +1,65 @@
+"""Sampling completions with their per-token log-probs, batched over every prompt at once.
+
+No KV cache: completions are a few tokens long, so re-running the whole (short) sequence per new
+token costs less than keeping a cache would save. Rows that have finished keep getting padding
+appended (and are masked), so one batch runs until its slowest row ends or `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shoal.grpo.policy import Policy
+from shoal.grpo.tokenizer import PAD_ID
+
+
+@dataclass
+class Samples:
+    prompt_rows: list[int]  # for each completion, the position of its prompt in the input list
+    completions: list[list[int]]  # token ids, EOS included when the policy produced it
+    logprobs: list[list[float]]  # per-token log-probs under the sampling policy (temperature 1)
+
+
+@torch.no_grad()
+def sample(
+    policy: Policy,
+    prompts: list[list[int]],
+    per_prompt: int,
+    max_new_tokens: int,
+    eos_id: int,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> Samples:
+    """`per_prompt` completions of each prompt, prompt-major; prompts of equal length share a batch."""
+    out = Samples([], [], [])
+    by_length: dict[int, list[int]] = {}
+    for row, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(row)
+    for rows in by_length.values():
+        rows = [r for r in rows for _ in range(per_prompt)]
+        x = torch.tensor([prompts[r] for r in rows], dtype=torch.long)  # (N, P)
+        tokens = torch.full((len(rows), max_new_tokens), PAD_ID, dtype=torch.long)
+        logps = torch.zeros(len(rows), max_new_tokens)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        for t in range(max_new_tokens):
+            logp = F.log_softmax(policy(x)[:, -1], dim=-1)  # (N, V)
+            if greedy:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok = tok.masked_fill(done, PAD_ID)
+            tokens[:, t] = tok
+            logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0).clamp(max=0.0)
+            done |= tok == eos_id
+            x = torch.cat([x, tok[:, None]], dim=1)
+            if done.all():
+                break
+        for i, row in enumerate(rows):
+            n = int((tokens[i] != PAD_ID).sum())
+            out.prompt_rows.append(row)
+            out.completions.append(tokens[i, :n].tolist())
+            out.logprobs.append(logps[i, :n].tolist())
+    return out

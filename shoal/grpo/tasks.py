@@ -1,0 +1,113 @@
+"""Verifiable tasks: prompts drawn deterministically from (run seed, round, index), rule-based rewards.
+
+Any node recomputes a prompt from its seed and a reward from the prompt text and the completion
+text alone, so no peer ever has to be believed about either. A task is anything with the `Task`
+protocol's fields; `TASKS` is the registry a run config names tasks from.
+
+Addition writes its answer's digits reversed (units first), the order in which a left-to-right
+decoder can carry: a ~1M-parameter model learns `47+38=58$` on CPU in seconds, and does not learn
+the forward order in that time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from shoal.grpo.tokenizer import EOS
+
+TRAIN, EVAL = "train", "eval"
+CORRECT_REWARD = 1.0
+FORMAT_REWARD = 0.1  # a well-formed wrong answer: enough to keep groups of all-wrong samples apart
+
+
+@dataclass(frozen=True)
+class Prompt:
+    task: str
+    round: int
+    index: int
+    text: str
+
+
+class Task(Protocol):
+    name: str
+    alphabet: str  # every character a prompt or a completion may hold, EOS included
+    max_new_tokens: int  # the longest well-formed completion, EOS included
+
+    def prompt(self, seed: int, round: int, index: int, split: str = TRAIN) -> Prompt: ...
+
+    def demonstration(self, prompt_text: str) -> str:
+        """The canonical correct completion (supervised warm-up data)."""
+        ...
+
+    def reward(self, prompt_text: str, completion_text: str) -> float: ...
+
+
+def task_seed(*labels: object) -> int:
+    """A stable seed from labels (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, labels)).encode()).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class Addition:
+    """`a+b=` with zero-padded `digits`-digit operands; the answer is the sum's digits reversed, then `$`.
+
+    About a tenth of all operand pairs (chosen by a hash) form the held-out split: training prompts
+    never show them, evaluation prompts are drawn only from them.
+    """
+
+    name: str
+    digits: int
+    alphabet: str = "0123456789+=" + EOS
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.digits + 2  # the sum has at most digits + 1 digits, then EOS
+
+    def split_of(self, a: int, b: int) -> str:
+        return EVAL if task_seed("split", self.digits, a, b) % 10 == 0 else TRAIN
+
+    def prompt(self, seed: int, round: int, index: int, split: str = TRAIN) -> Prompt:
+        rng = random.Random(task_seed(seed, self.name, split, round, index))
+        high = 10**self.digits
+        while True:  # ~10 draws on average for the held-out split, 1.1 for training
+            a, b = rng.randrange(high), rng.randrange(high)
+            if self.split_of(a, b) == split:
+                return Prompt(self.name, round, index, f"{a:0{self.digits}d}+{b:0{self.digits}d}=")
+
+    def operands(self, prompt_text: str) -> tuple[int, int]:
+        match = re.fullmatch(rf"(\d{{{self.digits}}})\+(\d{{{self.digits}}})=", prompt_text)
+        if match is None:
+            raise ValueError(f"{prompt_text!r} is not a {self.name} prompt")
+        return int(match[1]), int(match[2])
+
+    def demonstration(self, prompt_text: str) -> str:
+        a, b = self.operands(prompt_text)
+        return str(a + b)[::-1] + EOS
+
+    def reward(self, prompt_text: str, completion_text: str) -> float:
+        """1 for the canonical answer, 0.1 for a well-formed wrong one, 0 for anything else."""
+        if completion_text == self.demonstration(prompt_text):
+            return CORRECT_REWARD
+        return FORMAT_REWARD if parse_reversed_answer(completion_text, self.digits + 1) is not None else 0.0
+
+
+def parse_reversed_answer(completion_text: str, max_digits: int) -> int | None:
+    """The number a completion answers (digits written units first, then EOS), or None if malformed."""
+    match = re.fullmatch(rf"(\d{{1,{max_digits}}}){re.escape(EOS)}", completion_text)
+    return None if match is None else int(match[1][::-1])
+
+
+TASKS: dict[str, Task] = {
+    "add2r": Addition("add2r", digits=2),
+    "add3r": Addition("add3r", digits=3),  # out of distribution for a policy trained on add2r
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
