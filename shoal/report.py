@@ -15,8 +15,13 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[float]]], title: str) -> None:
-    """One line per curve name: (x values, loss values)."""
+def plot_loss(
+    path: Path,
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    title: str,
+    marks: Sequence[tuple[float, str]] = (),
+) -> None:
+    """One line per curve name: (x values, loss values); a dashed vertical line per mark (x, label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,6 +30,9 @@ def plot_loss(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[floa
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (xs, ys) in curves.items():
         ax.plot(xs, ys, label=name, linewidth=1.2)
+    for x, label in marks:
+        ax.axvline(x, color="grey", linestyle="--", linewidth=0.9)
+        ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
@@ -43,9 +51,10 @@ def write_report(
     report: dict[str, Any],
     curves: dict[str, tuple[Sequence[float], Sequence[float]]],
     title: str,
+    marks: Sequence[tuple[float, str]] = (),
 ) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    plot_loss(directory / "loss.png", curves, title)
+    plot_loss(directory / "loss.png", curves, title, marks)
     write_json_atomic(directory / "report.json", report)  # last: its presence marks a complete report
     return directory / "report.json"

@@ -13,7 +13,7 @@ from tests.helpers.tiny import write_tiny_run
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_path):
+def test_demo_trains_a_local_swarm_through_a_crash_and_a_stage_wipe_and_writes_the_report(tmp_path):
     run_file = write_tiny_run(tmp_path)
     report_dir = tmp_path / "report"
     result = subprocess.run(
@@ -25,11 +25,17 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_pat
             "--run-config",
             str(run_file),
             "--steps",
-            "24",
+            "48",
             "--workers-per-stage",
             "2",
             "--crash-at-step",
             "8",
+            "--kill-stage",
+            "2",
+            "--at-step",
+            "20",
+            "--repair",
+            "checkfree_plus",
             "--report",
             str(report_dir),
             "--quiet",
@@ -43,15 +49,19 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_writes_the_report(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((report_dir / "report.json").read_text())
     assert (report_dir / "loss.png").stat().st_size > 1000
-    assert report["steps"] == 24
+    assert report["steps"] == 48
     assert report["final_loss"] < 0.8 * report["initial_loss"]
     assert report["microbatches_completed"] + report["microbatches_abandoned"] == report["microbatches_injected"]
     assert sum(report["abandoned_reasons"].values()) == report["microbatches_abandoned"]
     assert report["crash"]["signal"] == "SIGKILL"
+    assert report["wipe"]["stage"] == 2 and len(report["wipe"]["peer_ids"]) == 2
+    (repair,) = report["repairs"]  # the new node copied stage 2's swap partner, stage 1
+    assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "copy_partner", [1])
+    assert repair["step"] >= 20 and repair["loss_before"] is not None and repair["loss_after"] is not None
     states = [n["state"] for n in report["nodes"]]
-    assert states.count("crashed") == 1 and states.count("stopped") == len(states) - 1
+    assert states.count("crashed") == 3 and states.count("stopped") == len(states) - 3
     assert all(n["exit_code"] == 0 for n in report["nodes"] if n["state"] == "stopped")
     assert report["microbatches_abandoned"] == 0  # the crash cost re-sends and redone hops, not microbatches
     averaging = report["averaging"]
     assert averaging["mode"] == "noloco" and set(averaging["stages"]) == {"1", "2"}
-    assert all(stage["outer_steps"] >= 2 for stage in averaging["stages"].values())  # 24 steps, H = 10
+    assert all(stage["outer_steps"] >= 2 for stage in averaging["stages"].values())  # 48 steps, H = 10

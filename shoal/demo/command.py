@@ -4,6 +4,8 @@ real processes on loopback, training the bundled model with live progress and a 
     shoal demo                          # 1 data node + 2 workers per block stage, the `tiny` run
     shoal demo --crash-at-step 60       # SIGKILL one worker mid-run: the swarm routes around it
     shoal demo --averaging diloco       # all-reduce baseline (hivemind's DecentralizedAverager); none: no sharing
+    shoal demo --kill-stage 2 --at-step 90 --repair checkfree_plus
+                                        # SIGKILL every replica of stage 2, start a new node: it rebuilds the stage
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shoal.config import REPAIR_RULES
 from shoal.errors import UsageError
 from shoal.train.command import add_run_arguments, resolve_run
 
@@ -35,6 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="STEP",
         help="SIGKILL one stage worker (of a stage with a spare replica) at this step",
+    )
+    parser.add_argument(
+        "--kill-stage",
+        type=int,
+        default=None,
+        metavar="S",
+        help="SIGKILL every replica of block stage S (with --at-step) and start a node that rebuilds it",
+    )
+    parser.add_argument("--at-step", type=int, default=None, metavar="K", help="the step of --kill-stage")
+    parser.add_argument(
+        "--repair",
+        choices=REPAIR_RULES,
+        default=None,
+        help="how a lost stage is rebuilt (default: the run's, checkfree); checkfree_plus also swaps edge stages",
     )
     parser.add_argument(
         "--averaging",
@@ -75,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     run_config = resolve_run(args)
     if args.workers_per_stage < 1:
         raise UsageError("--workers-per-stage must be at least 1")
+    if (args.kill_stage is None) != (args.at_step is None):
+        raise UsageError("--kill-stage and --at-step go together")
+    if args.kill_stage is not None and not 1 <= args.kill_stage < run_config.pipeline.stages:
+        raise UsageError(f"--kill-stage must be a block stage, 1..{run_config.pipeline.stages - 1}")
     from rich.console import Console
     from rich.live import Live
 
@@ -85,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.averaging is not None:
         run_config = run_config.replace(averaging_overrides(args.averaging))
+    if args.repair is not None:
+        run_config = run_config.replace({"repair.rule": args.repair})
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = run_config.replace({"data.path": str(default_corpus_path())})
     console = Console(stderr=True)
@@ -99,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     swarm = LocalSwarm(workdir)
     node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30"]
     crash: dict = {}
+    wipe: dict = {}
     started = time.monotonic()
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -140,6 +164,15 @@ def run(args: argparse.Namespace) -> int:
                 if args.crash_at_step is not None and not crash and steps >= args.crash_at_step:
                     crash = _crash_one_worker(swarm, workers, entry, steps)
                     note = f"step {steps}: SIGKILL worker {crash.get('peer_id', '?')[-8:]} (stage {crash.get('stage')})"
+                if args.kill_stage is not None and not wipe and steps >= args.at_step:
+                    wipe = _wipe_stage(swarm, workers, entry, args.kill_stage, steps, node_args, workdir)
+                    note = (
+                        f"step {steps}: SIGKILL all {len(wipe.get('peer_ids', []))} replicas of stage {args.kill_stage}"
+                    )
+                repair = next((e for e in reversed(events) if e["event"] == "repair"), None)
+                if repair is not None:
+                    rebuilt = f"stage {repair['stage']} rebuilt by {repair['rule']} from {repair['sources']}"
+                    note = f"step {repair['step']}: {rebuilt}"
                 alive = sum(p.alive for p in swarm.peers)
                 if not args.quiet:
                     live.update(_render(run_config, events, alive, len(swarm.peers), started, note))
@@ -156,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         swarm.close()
-    report_path = build_report(Path(args.report), run_config, progress_events(progress), swarm, workdir, crash, wall_s)
+    report_path = build_report(
+        Path(args.report), run_config, progress_events(progress), swarm, workdir, crash, wall_s, wipe
+    )
     summary = json.loads(report_path.read_text())
     console.print(
         f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "
@@ -167,21 +202,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _crash_one_worker(swarm, workers, entry: str, step: int) -> dict:
-    """SIGKILL the replica the data node most likely routes through (the fastest one advertised)
-    of a stage that has a spare, so the crash hits live traffic rather than an idle peer."""
-    alive = {w.peer_id: w for w in workers if w.alive}
-    try:
-        nodes = [n for n in swarm.status(entry)["nodes"] if n["peer_id"] in alive]
-    except Exception as e:
-        return {"step": step, "skipped": f"could not read the swarm: {e}"}
-    by_stage: dict[int, list[dict]] = {}
-    for node in nodes:
-        by_stage.setdefault(node["stage"], []).append(node)
+def _crash_one_worker(swarm, workers: list, entry: str, step: int) -> dict:
+    """SIGKILL one replica of the first block stage that has a spare (the launcher knows each node's
+    stage from its ready file, without asking the swarm, so the kill lands at the step asked)."""
+    by_stage: dict[int, list] = {}
+    for worker in workers:
+        if worker.alive:
+            by_stage.setdefault(worker.current_stage(), []).append(worker)
     spare = [replicas for _, replicas in sorted(by_stage.items()) if len(replicas) > 1]
     if not spare:
         print("no stage has a spare replica: not crashing anyone", file=sys.stderr)
         return {"step": step, "skipped": "no stage with a spare replica"}
-    target = max(spare[0], key=lambda n: n["throughput"])
-    swarm.kill(alive[target["peer_id"]])
-    return {"step": step, "peer_id": target["peer_id"], "stage": target["stage"], "signal": "SIGKILL"}
+    target = spare[0][0]
+    swarm.kill(target)
+    return {"step": step, "peer_id": target.peer_id, "stage": target.stage, "signal": "SIGKILL"}
+
+
+def _wipe_stage(swarm, workers: list, entry: str, stage: int, step: int, node_args: list[str], workdir: Path) -> dict:
+    """SIGKILL every replica of `stage` (its weights are gone with them) and start one new node for it,
+    which has nothing to copy and rebuilds the stage from its neighbours."""
+    holders = [w for w in workers if w.alive and w.current_stage() == stage]
+    for holder in holders:
+        swarm.kill(holder)
+    index = len(workers)
+    replacement = swarm.start_node(
+        [entry], "--role", "worker", "--stage", str(stage), "--stats-file", str(workdir / f"stats-w{index}.json"),
+        *node_args, wait=False, name=f"worker{index}",
+    )  # fmt: skip
+    workers.append(replacement)
+    peer_ids = [h.peer_id for h in holders]
+    return {"step": step, "stage": stage, "peer_ids": peer_ids, "signal": "SIGKILL", "replacement": replacement.name}

@@ -39,6 +39,23 @@ class Peer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def current_stage(self) -> int | None:
+        """The stage the node holds now (a node that has not trained yet may move: it rewrites the file)."""
+        self.refresh()
+        return self.stage
+
+    def refresh(self) -> Peer:
+        """Take the node's addresses, id, stage and role from its ready file, if it has written one."""
+        if self.ready_file is not None and self.ready_file.exists():
+            info = json.loads(self.ready_file.read_text())
+            self.maddrs, self.peer_id, self.stage, self.role = (
+                info["maddrs"],
+                info["peer_id"],
+                info["stage"],
+                info["role"],
+            )
+        return self
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -129,9 +146,7 @@ class LocalSwarm:
             return peer.ready_file.exists()
 
         wait_until(ready, timeout_s, f"{peer.name} to become active")
-        info = json.loads(peer.ready_file.read_text())
-        peer.maddrs, peer.peer_id, peer.stage, peer.role = info["maddrs"], info["peer_id"], info["stage"], info["role"]
-        return peer
+        return peer.refresh()
 
     def status(self, initial_peer: str, *extra: str, timeout_s: float = 60.0) -> dict:
         result = subprocess.run(

@@ -11,6 +11,7 @@ from shoal.report import write_report
 
 
 def _node_row(peer, stats_path: Path) -> dict:
+    peer.refresh()  # a node started without waiting (a replacement) has not been read yet
     row = {
         "name": peer.name,
         "peer_id": peer.peer_id,
@@ -55,8 +56,45 @@ def averaging_summary(run: RunConfig, nodes: list[dict]) -> dict:
     return {"mode": run.averaging.mode, "stages": {str(s): v for s, v in sorted(stages.items())}}
 
 
+def repair_summary(events: list[dict], wipe: dict | None) -> list[dict]:
+    """Each stage repair the data node saw: its rule, how long it took, and the loss around it.
+
+    loss_before is the mean loss of the 3 steps before the stage was wiped (or before the repair, if
+    the demo did not wipe it), loss_after the loss of the first step after the repair, and
+    steps_to_recover the steps from the repair until the loss is back under loss_before (None: never)."""
+    losses = {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["loss"] is not None}
+    rows = []
+    for event in (e for e in events if e["event"] == "repair"):
+        wiped_at = wipe["step"] if wipe and wipe.get("stage") == event["stage"] else event["step"]
+        before = [losses[s] for s in range(wiped_at - 3, wiped_at) if s in losses]
+        loss_before = sum(before) / len(before) if before else None
+        after = sorted(s for s in losses if s >= event["step"])
+        recovered = next((s for s in after if loss_before is not None and losses[s] < loss_before), None)
+        rows.append(
+            {
+                "stage": event["stage"],
+                "step": event["step"],
+                "rule": event["rule"],
+                "sources": event["sources"],
+                "seconds": event["seconds"],
+                "note": event["note"],
+                "loss_before": loss_before,
+                "loss_after": losses[after[0]] if after else None,
+                "steps_to_recover": None if recovered is None else recovered - event["step"],
+            }
+        )
+    return rows
+
+
 def build_report(
-    directory: Path, run: RunConfig, events: list[dict], swarm: LocalSwarm, workdir: Path, crash: dict, wall_s: float
+    directory: Path,
+    run: RunConfig,
+    events: list[dict],
+    swarm: LocalSwarm,
+    workdir: Path,
+    crash: dict,
+    wall_s: float,
+    wipe: dict | None = None,
 ) -> Path:
     steps = [e for e in events if e["event"] == "step"]
     done = next((e for e in events if e["event"] == "done"), {})
@@ -80,14 +118,21 @@ def build_report(
         "microbatches_abandoned": done.get("microbatches_abandoned"),
         "abandoned_reasons": done.get("abandoned_reasons", {}),
         "crash": crash or None,
+        "wipe": wipe or None,
+        "repairs": repair_summary(events, wipe),
         "nodes": [_node_row(p, stats_files[p.name]) for p in swarm.peers if p.name != "bootstrap"],
         "losses": [e["loss"] for e in steps],
     }
     report["averaging"] = averaging_summary(run, report["nodes"])
     curve = [(e["step"], e["loss"]) for e in steps if e["loss"] is not None]
+    marks = [(crash["step"], f"crash (stage {crash['stage']})")] if crash and "stage" in crash else []
+    if wipe and "stage" in wipe:
+        marks.append((wipe["step"], f"stage {wipe['stage']} wiped"))
+    marks += [(r["step"], f"stage {r['stage']} rebuilt ({r['rule']})") for r in report["repairs"]]
     return write_report(
         directory,
         report,
         {"swarm": ([s for s, _ in curve], [v for _, v in curve])},
         f"shoal demo ({run.name}): {len(report['nodes'])} nodes",
+        marks,
     )

@@ -351,6 +351,7 @@ class Node:
                 if chosen != self.stage and self.can_move():
                     self._set_stage(chosen)
                     await self._build_engine()
+                    self._write_ready_file()  # launchers read a node's stage from it
                 await self.publish()
             except Exception:
                 logger.exception("[%s] heartbeat failed", self.short_id)

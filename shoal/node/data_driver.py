@@ -426,7 +426,7 @@ class DataDriver(PipelineEngine):
         """Tell the hops of a lost attempt to drop what they keep for it (their next optimizer step
         waits for such graphs), instead of holding it until it expires."""
         notice = AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200])
-        for peer in set(peers) - self.banned():
+        for peer in set(peers):  # banned peers too: a ban is a routing preference, and they may hold a graph
             try:
                 await call(self.node.dht.p2p, peer, "rpc_abandon", notice, Ack, timeout_s=5.0)
             except Exception as e:

@@ -56,6 +56,7 @@ class Saved:
     expires_at: float
     origin: str  # the data node that owns the microbatch (the only peer that may release it)
     hop: int  # this node's position in the microbatch's route
+    step: int  # the data node's step it belongs to: once that step is closed, no gradient can come
 
 
 @dataclass
@@ -148,7 +149,7 @@ class StageWorker(PipelineEngine):
         try:
             x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if request.needs_backward:
-                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop)
+                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step)
         finally:
             self.forwarding.discard(mb)
         self.forwards += 1
@@ -294,7 +295,7 @@ class StageWorker(PipelineEngine):
             await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: shapes disagree")
             return
         x, y = await self.compute(self._run_forward, x, True, priority=BACKWARD)
-        saved = Saved(x, y, self._expiry(), request.origin, request.hop)
+        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step)
         as_backward = BackwardRequest(
             microbatch_id=mb, origin=request.origin, step=request.step, hop=request.hop, route=request.route
         )
@@ -326,6 +327,12 @@ class StageWorker(PipelineEngine):
         """A data node's step is over. Step once every data node whose gradient we hold has closed one
         since our last step (with one data node: exactly at its step boundary). Every H steps of the
         data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch."""
+        over = [mb for mb, s in self.saved.items() if s.origin == sender and s.step <= close.step]
+        for mb in over:  # a lost attempt whose release never reached us: its step is over, so is it
+            self._drop(mb)
+        if over:
+            logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.node.short_id,
+                        close.step, len(over))  # fmt: skip
         if sender in self.contributors:
             self.closed.add(sender)
             await self._maybe_step()
