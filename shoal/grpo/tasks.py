@@ -5,8 +5,8 @@ text alone, so no peer ever has to be believed about either. A task is anything 
 protocol's fields; `TASKS` is the registry a run config names tasks from.
 
 Addition writes its answer's digits reversed (units first), the order in which a left-to-right
-decoder can carry: a ~1M-parameter model learns `47+38=58$` on CPU in seconds, and does not learn
-the forward order in that time.
+decoder can carry as it writes: a 0.3M-parameter decoder learns `47+38=58$` to ~75 % held-out
+accuracy in a 25 s warm-up on one CPU thread (benchmarks/grpo.py).
 """
 
 from __future__ import annotations

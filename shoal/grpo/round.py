@@ -1,0 +1,143 @@
+"""One node's GRPO round, as two calls around the exchange: `make_bundle`, then `learn`.
+
+    prompts = round_prompts(cfg, r)                        # every node derives the same prompts
+    own = make_bundle(policy, cfg, prompts, generator)     # sample this node's share of each group
+    ... send `own` to peers, receive theirs ...
+    report = learn(policy, optimizer, cfg, prompts, own, received)
+
+`learn` validates every foreign bundle against this round (refused ones are skipped and reported,
+never half-used), scores every completion itself, and takes one optimizer step on the GRPO loss of
+`cfg.grpo.mode`. The daemon (phase 2) and benchmarks/grpo.py call exactly these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.grpo.policy import Policy, completion_logprobs
+from shoal.grpo.rollout import build_batch, to_bundle
+from shoal.grpo.sampling import sample
+from shoal.grpo.tasks import CORRECT_REWARD, Prompt, get_task
+from shoal.grpo.tokenizer import CharTokenizer
+from shoal.protocol.rollout import BadRollout, RolloutBundle, RolloutLimits, validate_bundle
+from shoal.train.grpo import GRPOConfig, LossStats, grpo_loss
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    task: str = "add2r"
+    run_seed: int = 0
+    prompts_per_round: int = 16  # B
+    completions_per_prompt: int = 4  # this node's share of each group (G/m in the horizontal layout)
+    max_foreign_per_prompt: int = 16  # the most a peer's bundle may add to one group
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    round: int
+    loss: LossStats
+    own_reward: float  # mean recomputed reward of own completions
+    own_correct: float  # share of own completions that are fully correct
+    foreign_reward: float  # nan without foreign completions
+    foreign_correct: float
+    refused: tuple[str, ...]  # "model id: reason" per refused bundle
+
+
+def round_prompts(cfg: RoundConfig, round: int) -> list[Prompt]:
+    task = get_task(cfg.task)
+    return [task.prompt(cfg.run_seed, round, i) for i in range(cfg.prompts_per_round)]
+
+
+def rollout_limits(cfg: RoundConfig, tokenizer: CharTokenizer, round: int) -> RolloutLimits:
+    """What a peer's bundle for `round` may hold, from this node's run config and tokenizer."""
+    return RolloutLimits(
+        task=cfg.task,
+        round=round,
+        tokenizer_id=tokenizer.tokenizer_id,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        prompts=cfg.prompts_per_round,
+        max_new_tokens=get_task(cfg.task).max_new_tokens,
+        max_per_prompt=cfg.max_foreign_per_prompt,
+    )
+
+
+def make_bundle(
+    policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None = None
+) -> RolloutBundle:
+    """This node's completions of this round's prompts, with their log-probs (temperature 1)."""
+    tokenizer, task = policy.spec.tokenizer(), get_task(cfg.task)
+    samples = sample(
+        policy,
+        [tokenizer.encode(p.text) for p in prompts],
+        cfg.completions_per_prompt,
+        task.max_new_tokens,
+        tokenizer.eos_id,
+        generator,
+    )
+    return to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+
+
+def check_bundles(
+    bundles: Sequence[RolloutBundle], limits: RolloutLimits
+) -> tuple[list[RolloutBundle], tuple[str, ...]]:
+    """(the bundles that pass `validate_bundle`, one reason per refused bundle)."""
+    accepted, refused = [], []
+    for bundle in bundles:
+        try:
+            validate_bundle(bundle, limits)
+        except BadRollout as error:
+            refused.append(f"{bundle.model_id}: {error.message}")
+        else:
+            accepted.append(bundle)
+    return accepted, tuple(refused)
+
+
+def learn(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    cfg: RoundConfig,
+    prompts: list[Prompt],
+    own: RolloutBundle,
+    foreign: Sequence[RolloutBundle] = (),
+    reference: Policy | None = None,
+) -> RoundReport:
+    """Validate foreign bundles, recompute every reward, take one GRPO step; report what happened."""
+    task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
+    accepted, refused = check_bundles(foreign, rollout_limits(cfg, tokenizer, own.round))
+    if cfg.grpo.mode == "alone":
+        accepted = []  # nothing foreign is even scored
+    batch = build_batch(task, tokenizer, prompts, own, accepted)
+    logp, mask = completion_logprobs(policy, batch.prompts, batch.completions)
+    ref_logp = None
+    if reference is not None and cfg.grpo.kl_coef > 0:
+        with torch.no_grad():
+            ref_logp, _ = completion_logprobs(reference, batch.prompts, batch.completions)
+    loss, stats = grpo_loss(
+        logp, batch.gen_logp, mask, batch.rewards, batch.groups, batch.foreign, cfg.grpo, ref_logp=ref_logp
+    )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+    optimizer.step()
+    own_r, foreign_r = batch.rewards[~batch.foreign], batch.rewards[batch.foreign]
+    return RoundReport(
+        round=own.round,
+        loss=stats,
+        own_reward=float(own_r.mean()),
+        own_correct=float((own_r == CORRECT_REWARD).float().mean()),
+        foreign_reward=float(foreign_r.mean()) if len(foreign_r) else float("nan"),
+        foreign_correct=float((foreign_r == CORRECT_REWARD).float().mean()) if len(foreign_r) else float("nan"),
+        refused=refused,
+    )
+
+
+def make_optimizer(policy: Policy, cfg: RoundConfig) -> torch.optim.Optimizer:
+    """Adam without weight decay, as in both papers (their lr 5e-6 is for 1.5B models; ours is tiny)."""
+    return torch.optim.Adam(policy.parameters(), lr=cfg.lr)
