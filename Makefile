@@ -33,7 +33,7 @@ corpus:
 	fi
 
 demo: $(VENV)/.installed corpus
-	$(BIN)/shoal demo --report demo-report
+	$(BIN)/shoal demo --crash-at-step 40 --kill-stage 2 --at-step 90 --repair checkfree_plus --report demo-report
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check shoal tests benchmarks

@@ -30,7 +30,11 @@ def plot_loss(
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (xs, ys) in curves.items():
         ax.plot(xs, ys, label=name, linewidth=1.2)
-    for x, label in marks:
+    grouped: dict[float, list[str]] = {}
+    for x, label in marks:  # events at the same step share one line and one label
+        grouped.setdefault(x, []).append(label)
+    for x, labels in grouped.items():
+        label = "; ".join(labels)
         ax.axvline(x, color="grey", linestyle="--", linewidth=0.9)
         ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
     ax.set_xlabel("step")
