@@ -60,6 +60,16 @@ class Peer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def _end_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the launcher dies, so that a launcher
+    killed without cleaning up (a timeout's SIGKILL) leaves no node running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def shoal_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "shoal.cli", *args]
 
@@ -111,6 +121,7 @@ class LocalSwarm:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 text=True,
+                preexec_fn=_end_with_parent,
             )
         peer = Peer(name, process, log_path)
         self.peers.append(peer)
