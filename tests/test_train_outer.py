@@ -234,3 +234,10 @@ def test_noloco_pairs_are_mutual_cover_everyone_but_the_odd_one_and_change_with_
              for e in range(8)}  # fmt: skip
     assert len(draws) > 1  # redrawn every epoch
     assert noloco_partner("run", 1, 0, ["a"], "a") is None and noloco_partner("run", 1, 0, ["a", "b"], "c") is None
+
+
+def test_an_epoch_ends_every_h_closed_steps_once():
+    from shoal.train.outer import epoch_ended
+
+    assert [epoch_ended(step, 10, 0) for step in (8, 9, 10, 19)] == [None, 1, None, 2]
+    assert epoch_ended(9, 10, 1) is None  # already taken (a copy brought it)

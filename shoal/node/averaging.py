@@ -30,6 +30,7 @@ from shoal.train.outer import (
     OuterConfig,
     OuterState,
     check_partner_tensors,
+    epoch_ended,
     load_slow_weights,
     local_step,
     noloco_partner,
@@ -68,8 +69,7 @@ class NoLoCoAverager:
 
     def due(self, closed_step: int) -> int | None:
         """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
-        epoch, rest = divmod(closed_step + 1, self.config.inner_steps)
-        return epoch if rest == 0 and epoch > self.epoch else None
+        return epoch_ended(closed_step, self.config.inner_steps, self.epoch)
 
     def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
         """Take a live replica's slow weights (joining by copy)."""

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.node.compute import BACKWARD
-from shoal.train.outer import OuterConfig, OuterState, diloco_step, load_slow_weights, local_step, pseudo_gradient
+from shoal.train.outer import (
+    OuterConfig,
+    OuterState,
+    diloco_step,
+    epoch_ended,
+    load_slow_weights,
+    local_step,
+    pseudo_gradient,
+)
 
 if TYPE_CHECKING:
     from shoal.node.worker import StageWorker
@@ -102,8 +110,7 @@ class DiLoCoAverager:
         )
 
     def due(self, closed_step: int) -> int | None:
-        epoch, rest = divmod(closed_step + 1, self.config.inner_steps)
-        return epoch if rest == 0 and epoch > self.epoch else None
+        return epoch_ended(closed_step, self.config.inner_steps, self.epoch)
 
     def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
         self.state = OuterState.from_tensors(phi)

@@ -171,6 +171,13 @@ def diloco_step(state: OuterState, mean_delta: Tensors, config: OuterConfig) -> 
     return _heavy_ball(state, mean_delta, None, config.alpha, config.beta, 0.0)
 
 
+def epoch_ended(closed_step: int, inner_steps: int, taken: int) -> int | None:
+    """The outer epoch that the close of data-node step `closed_step` ends (every `inner_steps`
+    steps), if it is one after `taken`, the last epoch this replica has applied; else None."""
+    epoch, rest = divmod(closed_step + 1, inner_steps)
+    return epoch if rest == 0 and epoch > taken else None
+
+
 def noloco_partner(run_id: str, stage: int, epoch: int, replicas: Sequence[str], me: str) -> str | None:
     """My NoLoCo partner for `epoch` among the live `replicas` of a stage (me included), or None for
     the odd one out. As in the authors' code, a permutation seeded by the step pairs entry k with
