@@ -105,6 +105,32 @@ class RepairConfig:
         return 0.5 if self.rule == "checkfree_plus" else 0.0
 
 
+GRPO_LAYOUTS = ("horizontal", "vertical")
+GRPO_MODES = ("alone", "naive", "tis", "ftis")
+
+
+@dataclass(frozen=True)
+class GRPORunConfig:
+    """A GRPO run (DESIGN §6): what every rollout worker must agree on so that all derive the same
+    prompts and accept each other's bundles. The policy (width, depth, warm-up) is each node's own
+    choice, declared in its record as a model id."""
+
+    task: str = "add2r"
+    seed: int = 0  # with the round (and, vertical, the peer id) it seeds every prompt
+    layout: str = "horizontal"  # horizontal: all nodes share the round's prompts; vertical: each its own
+    prompts_per_round: int = 16  # B
+    group_size: int = 4  # completions a node samples per prompt (its share of a horizontal group)
+    lr: float = 1e-3
+    mode: str = "ftis"  # how foreign completions count: alone, naive, tis or ftis (shoal.train.grpo)
+    is_cap: float = 2.0  # C: truncation of foreign importance weights
+    kl_threshold: float = 0.5  # δ (nats): F-TIS drops far-off negative foreign samples
+    round_deadline_s: float = 5.0  # how long a node waits for peers' bundles after sending its own
+    max_peers: int = 4  # k: a node sends its bundle to at most this many live rollout peers
+    rounds: int = 30
+    eval_every: int = 5  # rounds between held-out accuracy evaluations
+    eval_prompts: int = 128
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny"
@@ -115,6 +141,11 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
+    grpo: GRPORunConfig | None = None  # present only in GRPO runs (so pipeline run ids stay as they were)
+
+    @property
+    def mode(self) -> str:
+        return "pipeline" if self.grpo is None else "grpo"
 
     @property
     def microbatches_per_step(self) -> int:
@@ -126,7 +157,10 @@ class RunConfig:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["grpo"] is None:
+            del data["grpo"]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -181,13 +215,43 @@ def _build(cls: type, data: Any, path: str) -> Any:
             continue
         where = f"{path}.{name}" if path else name
         expected = hints[name]
+        if isinstance(expected, types.UnionType):  # an optional section: `Section | None`
+            expected = _optional_section(expected, where)
         if dataclasses.is_dataclass(expected):
             kwargs[name] = _build(expected, data[name], where)
-        elif isinstance(expected, types.UnionType):
-            raise TypeError(f"unsupported union in {where}")
         else:
             kwargs[name] = _check_type(where, data[name], expected)
     return cls(**kwargs)
+
+
+def _optional_section(expected: types.UnionType, where: str) -> type:
+    sections = [t for t in typing.get_args(expected) if t is not type(None)]
+    if len(sections) != 1 or not dataclasses.is_dataclass(sections[0]):
+        raise TypeError(f"unsupported union in {where}")
+    return sections[0]
+
+
+def _validate_grpo(g: GRPORunConfig) -> None:
+    from shoal.grpo.tasks import TASKS
+
+    def need(ok: bool, where: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"grpo.{where}", message)
+
+    need(g.task in TASKS, "task", f"must be one of {', '.join(sorted(TASKS))}, got {g.task!r}")
+    need(g.seed >= 0, "seed", f"must be non-negative, got {g.seed}")
+    need(g.layout in GRPO_LAYOUTS, "layout", f"must be one of {', '.join(GRPO_LAYOUTS)}, got {g.layout!r}")
+    need(1 <= g.prompts_per_round <= 64, "prompts_per_round", f"must be in 1..64, got {g.prompts_per_round}")
+    need(2 <= g.group_size <= 16, "group_size", f"must be in 2..16, got {g.group_size}")
+    need(0.0 < g.lr <= 1.0, "lr", f"must be in (0, 1], got {g.lr}")
+    need(g.mode in GRPO_MODES, "mode", f"must be one of {', '.join(GRPO_MODES)}, got {g.mode!r}")
+    need(g.is_cap >= 1.0, "is_cap", f"must be at least 1, got {g.is_cap}")
+    need(g.kl_threshold > 0.0, "kl_threshold", f"must be positive, got {g.kl_threshold}")
+    need(0.1 <= g.round_deadline_s <= 600.0, "round_deadline_s", f"must be in [0.1, 600], got {g.round_deadline_s}")
+    need(0 <= g.max_peers <= 64, "max_peers", f"must be in 0..64, got {g.max_peers}")
+    need(g.rounds >= 1, "rounds", f"must be at least 1, got {g.rounds}")
+    need(g.eval_every >= 1, "eval_every", f"must be at least 1, got {g.eval_every}")
+    need(1 <= g.eval_prompts <= 4096, "eval_prompts", f"must be in 1..4096, got {g.eval_prompts}")
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -259,6 +323,8 @@ def _validate(cfg: RunConfig) -> None:
         "repair.weights_from",
         f"must be unclipped or clipped, got {r.weights_from!r}",
     )
+    if cfg.grpo is not None:
+        _validate_grpo(cfg.grpo)
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

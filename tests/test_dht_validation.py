@@ -42,6 +42,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "links": [],
         "replica_distance": None,
         "averager_maddrs": [],
+        "model_id": None,
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),
@@ -72,6 +73,8 @@ def test_forged_foreign_and_malformed_records_are_refused():
                 _node_record(attacker.peer_id, stage="two"),
                 _node_record(attacker.peer_id, loss=-1.0),
                 _node_record(attacker.peer_id, role="king"),
+                _node_record(attacker.peer_id, role="rollout", model_id="m" * 97),  # over the bound
+                _node_record(attacker.peer_id, role="rollout", model_id="a model"),  # not an id
                 _node_record(attacker.peer_id, repair=dict(REPAIR, rule="magic")),
                 _node_record(attacker.peer_id, repair=dict(REPAIR, sources=[1, 2, 3])),
                 {"kind": "node"},

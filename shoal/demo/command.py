@@ -6,6 +6,7 @@ real processes on loopback, training the bundled model with live progress and a 
     shoal demo --averaging diloco       # all-reduce baseline (hivemind's DecentralizedAverager); none: no sharing
     shoal demo --kill-stage 2 --at-step 90 --repair checkfree_plus
                                         # SIGKILL every replica of stage 2, start a new node: it rebuilds the stage
+    shoal demo --mode grpo              # collaborative GRPO between rollout workers (shoal/demo/grpo.py)
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ def averaging_overrides(mode: str) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shoal.demo import grpo
+
     add_run_arguments(parser)
+    parser.add_argument("--mode", choices=("pipeline", "grpo"), default="pipeline", help="what the swarm trains")
+    grpo.add_arguments(parser)
     parser.add_argument("--workers-per-stage", type=int, default=2, help="stage workers per block stage")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
     parser.add_argument(
@@ -89,6 +94,10 @@ def _render(run, events: list[dict], alive: int, total: int, started: float, not
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "grpo":
+        from shoal.demo.grpo import run as run_grpo
+
+        return run_grpo(args)
     run_config = resolve_run(args)
     if args.workers_per_stage < 1:
         raise UsageError("--workers-per-stage must be at least 1")

@@ -12,6 +12,7 @@ from pydantic import v1 as pydantic
 
 from shoal.planning.swarm_view import (
     ROLE_DATA,
+    ROLE_ROLLOUT,
     ROLE_WORKER,
     STATE_ACTIVE,
     STATE_JOINING,
@@ -60,7 +61,7 @@ class NodeRecord(_Strict):
     run_id: _id  # type: ignore[valid-type]
     peer_id: _id  # type: ignore[valid-type]
     maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
-    role: pydantic.constr(strict=True, regex=f"^({ROLE_DATA}|{ROLE_WORKER})$")  # type: ignore[valid-type]
+    role: pydantic.constr(strict=True, regex=f"^({ROLE_DATA}|{ROLE_WORKER}|{ROLE_ROLLOUT})$")  # type: ignore[valid-type]
     stage: pydantic.conint(strict=True, ge=0, le=4096)  # type: ignore[valid-type]
     state: pydantic.constr(strict=True, regex=f"^({STATE_JOINING}|{STATE_ACTIVE}|{STATE_LEAVING})$")  # type: ignore[valid-type]
     block_throughput: _finite  # type: ignore[valid-type]
@@ -80,6 +81,8 @@ class NodeRecord(_Strict):
     # DiLoCo: where this replica's averaging DHT listens (hivemind's averager needs a DHT of its own)
     averager_maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
     repair: RepairRecord | None
+    # GRPO: the policy a rollout worker samples with (PolicySpec.model_id); None for pipeline nodes
+    model_id: pydantic.constr(strict=True, min_length=1, max_length=96, regex=r"^[A-Za-z0-9._-]+$") | None  # type: ignore[valid-type]
 
 
 class RunRecord(_Strict):
@@ -121,6 +124,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         repair=None
         if record.repair is None
         else RepairNote(**{**record.repair.dict(), "sources": tuple(record.repair.sources)}),
+        model_id=record.model_id,
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

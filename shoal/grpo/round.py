@@ -12,6 +12,7 @@ never half-used), scores every completion itself, and takes one optimizer step o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class RoundConfig:
     lr: float = 1e-3
     grad_clip: float = 1.0
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    run_id: str | None = None  # stamped on own bundles and required of foreign ones, when set
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ def rollout_limits(cfg: RoundConfig, tokenizer: CharTokenizer, round: int) -> Ro
         prompts=cfg.prompts_per_round,
         max_new_tokens=get_task(cfg.task).max_new_tokens,
         max_per_prompt=cfg.max_foreign_per_prompt,
+        run_id=cfg.run_id,
     )
 
 
@@ -81,7 +84,8 @@ def make_bundle(
         tokenizer.eos_id,
         generator,
     )
-    return to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
 
 
 def check_bundles(
@@ -107,10 +111,19 @@ def learn(
     own: RolloutBundle,
     foreign: Sequence[RolloutBundle] = (),
     reference: Policy | None = None,
+    foreign_prompts: Sequence[list[Prompt]] | None = None,
 ) -> RoundReport:
-    """Validate foreign bundles, recompute every reward, take one GRPO step; report what happened."""
+    """Validate foreign bundles, recompute every reward, take one GRPO step; report what happened.
+
+    `foreign_prompts[j]` are the prompts foreign bundle j answers, when they are not `prompts` (the
+    vertical layout: each node draws its own); each such bundle then forms groups of its own.
+    """
     task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
-    accepted, refused = check_bundles(foreign, rollout_limits(cfg, tokenizer, own.round))
+    limits = rollout_limits(cfg, tokenizer, own.round)
+    if foreign_prompts is None:
+        accepted, refused = check_bundles(foreign, limits)
+    else:
+        prompts, accepted, refused = _own_groups(prompts, foreign, foreign_prompts, limits)
     if cfg.grpo.mode == "alone":
         accepted = []  # nothing foreign is even scored
     batch = build_batch(task, tokenizer, prompts, own, accepted)
@@ -136,6 +149,29 @@ def learn(
         foreign_correct=float((foreign_r == CORRECT_REWARD).float().mean()) if len(foreign_r) else float("nan"),
         refused=refused,
     )
+
+
+def _own_groups(
+    prompts: list[Prompt],
+    foreign: Sequence[RolloutBundle],
+    foreign_prompts: Sequence[list[Prompt]],
+    limits: RolloutLimits,
+) -> tuple[list[Prompt], list[RolloutBundle], tuple[str, ...]]:
+    """Give each valid foreign bundle's prompts indices past every earlier group, so that groups of
+    different prompts never mix; returns (all prompts, renumbered bundles, refusals)."""
+    if len(foreign_prompts) != len(foreign):
+        raise ValueError(f"{len(foreign_prompts)} prompt lists for {len(foreign)} foreign bundles")
+    everything, accepted, refused = list(prompts), [], []
+    for bundle, theirs in zip(foreign, foreign_prompts, strict=True):
+        ok, why = check_bundles([bundle], limits)
+        refused += why
+        if not ok:
+            continue
+        offset = len(everything)
+        everything += [dataclasses.replace(p, index=offset + p.index) for p in theirs]
+        completions = tuple(dataclasses.replace(c, prompt_index=offset + c.prompt_index) for c in bundle.completions)
+        accepted.append(dataclasses.replace(bundle, completions=completions))
+    return everything, accepted, tuple(refused)
 
 
 def make_optimizer(policy: Policy, cfg: RoundConfig) -> torch.optim.Optimizer:

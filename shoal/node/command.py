@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, metavar="NAME[@RUN_ID]", help="join this run published in the swarm")
     parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
     parser.add_argument("--data", default=None, metavar="PATH", help="text file or folder (data nodes)")
-    parser.add_argument("--role", default="auto", help="auto (default), data or worker")
+    parser.add_argument(
+        "--role", default="auto", help="auto (default), data or worker; rollout (the only role of a GRPO run)"
+    )
     parser.add_argument(
         "--routing",
         default="auto",
@@ -88,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--progress-file", default=None, metavar="PATH", help="data nodes append a JSON line per training step here"
     )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
+    policy = parser.add_argument_group("GRPO rollout workers: this node's policy (declared in its record)")
+    policy.add_argument("--policy-width", type=int, default=48, help="model width d")
+    policy.add_argument("--policy-depth", type=int, default=2, help="decoder blocks")
+    policy.add_argument("--policy-heads", type=int, default=2, help="attention heads")
+    policy.add_argument("--policy-seed", type=int, default=0, help="initial weights and warm-up data")
+    policy.add_argument("--warmup-steps", type=int, default=650, help="supervised steps before any GRPO")
+    policy.add_argument("--policy-cache", default=None, metavar="DIR", help="warmed-up policies (default: shoal cache)")
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -142,6 +151,12 @@ def node_config(args: argparse.Namespace):
         skip=args.skip,
         max_swaps=args.max_swaps,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
+        policy_width=args.policy_width,
+        policy_depth=args.policy_depth,
+        policy_heads=args.policy_heads,
+        policy_seed=args.policy_seed,
+        warmup_steps=args.warmup_steps,
+        policy_cache=args.policy_cache,
     )
 
 
@@ -157,9 +172,8 @@ def run(args: argparse.Namespace) -> int:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
 
     async def announce(node: Node) -> None:
-        print(
-            f"node {node.peer_id} active: {node.role} on stage {node.stage} of run {node.run.name}@{node.run.run_id}",
-            flush=True,
-        )
+        where = f"policy {node.engine.model_id}" if node.role == "rollout" else f"stage {node.stage}"
+        run = f"{node.run.name}@{node.run.run_id}"
+        print(f"node {node.peer_id} active: {node.role} on {where} of run {run}", flush=True)
 
     return run_daemon(lambda: Node.create(config), announce)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shoal.config import ConfigError
 
-ROLES = ("auto", "data", "worker")
+ROLES = ("auto", "data", "worker", "rollout")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,13 @@ class NodeConfig:
     # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step
     # before passing them upstream, so that a kill can land while a hop waits for its gradient
     inject_upstream_delay: tuple[int, float] | None = None
+    # GRPO rollout workers: this node's own policy (its model id goes into the node record)
+    policy_width: int = 48
+    policy_depth: int = 2
+    policy_heads: int = 2
+    policy_seed: int = 0
+    warmup_steps: int = 650
+    policy_cache: str | None = None  # warmed-up policies by model id (default: the shoal cache)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -65,6 +72,17 @@ class NodeConfig:
             raise ConfigError("--microbatch-timeout", "must be positive")
         if self.stage_wait_s < 0:
             raise ConfigError("--stage-wait", "must be zero or more seconds")
+        if not (8 <= self.policy_width <= 1024):
+            raise ConfigError("--policy-width", f"must be in 8..1024, got {self.policy_width}")
+        if not (1 <= self.policy_depth <= 32):
+            raise ConfigError("--policy-depth", f"must be in 1..32, got {self.policy_depth}")
+        heads = self.policy_heads
+        if heads < 1 or self.policy_width % heads or (self.policy_width // heads) % 2:
+            raise ConfigError("--policy-heads", f"must split --policy-width into even head dims, got {heads}")
+        if self.policy_seed < 0:
+            raise ConfigError("--policy-seed", "must be zero or more")
+        if not (0 <= self.warmup_steps <= 100_000):
+            raise ConfigError("--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
 

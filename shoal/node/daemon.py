@@ -29,6 +29,7 @@ from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
 from shoal.node.links import LinkMonitor
 from shoal.node.pipeline_service import PipelineService
+from shoal.node.rollout import RolloutService, RolloutWorker
 from shoal.node.stage_repair import repair_stage, stage_was_lost
 from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
@@ -37,6 +38,7 @@ from shoal.planning.costs import CostModel
 from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import (
     ROLE_DATA,
+    ROLE_ROLLOUT,
     ROLE_WORKER,
     STATE_ACTIVE,
     STATE_JOINING,
@@ -124,7 +126,7 @@ class Node:
         self.view: SwarmView | None = None
         self.router = PeerRouter(routing_policy(config, run), run_cost_model(run), seed=dht.peer_id)
         self.links = LinkMonitor(dht.p2p, dht.peer_id)
-        self.engine: StageWorker | DataDriver | None = None
+        self.engine: StageWorker | DataDriver | RolloutWorker | None = None
         self.memory_samples: list[tuple[float, int]] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -138,7 +140,13 @@ class Node:
         try:
             run = await resolve_run(dht, config)
             logger.info("run %s (%s): %s", run.name, run.run_id, run.to_json())
-            throughput = await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
+            if (config.role == "rollout") != (run.mode == "grpo") and config.role != "auto":
+                raise UsageError(f"--role {config.role}: run {run.name} is a {run.mode} run")
+            throughput = (
+                0.0  # a rollout worker holds no stage: nothing to measure
+                if run.mode == "grpo"
+                else await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
+            )
             node = cls(config, dht, run, throughput)
             await node._start()
         except BaseException:
@@ -156,10 +164,14 @@ class Node:
 
     @property
     def role(self) -> str:
+        if self.run.mode == "grpo":
+            return ROLE_ROLLOUT
         return ROLE_DATA if self.stage == 0 else ROLE_WORKER
 
     def choose_stage(self) -> int:
-        """The stage to hold now: the one given by --stage, else the swarm's choice."""
+        """The stage to hold now: the one given by --stage, else the swarm's choice (none: 0, for rollouts)."""
+        if self.role == ROLE_ROLLOUT:
+            return 0
         if self.config.stage is not None:
             if self.config.stage >= self.run.pipeline.stages:
                 raise UsageError(
@@ -205,6 +217,7 @@ class Node:
             "replica_distance": None if self.replica_distance is None else float(self.replica_distance),
             "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
             "repair": self.repair,
+            "model_id": getattr(self.engine, "model_id", None),
         }
 
     async def publish(self) -> bool:
@@ -222,8 +235,11 @@ class Node:
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
-        for service in (HealthService(self), PipelineService(self)):
+        for service in (HealthService(self), PipelineService(self), RolloutService(self)):
             self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s)
+        if self.role == ROLE_ROLLOUT:
+            await self._start_rollouts()
+            return
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
         self.view = await self.answering_view()
         self._set_stage(self.choose_stage())
@@ -244,6 +260,27 @@ class Node:
             self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
         self._write_ready_file()
         logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
+
+    async def _start_rollouts(self) -> None:
+        """GRPO: no stage to claim; warm the policy up, announce it, and run the rounds."""
+        from shoal.grpo.policy import PolicySpec
+        from shoal.model.corpus import cache_dir
+
+        assert self.run.grpo is not None
+        c = self.config
+        spec = PolicySpec(task=self.run.grpo.task, d_model=c.policy_width, n_layers=c.policy_depth,
+                          n_heads=c.policy_heads, seed=c.policy_seed, warmup_steps=c.warmup_steps)  # fmt: skip
+        worker = RolloutWorker(self, spec, Path(c.policy_cache) if c.policy_cache else cache_dir() / "grpo")
+        await worker.prepare()
+        self.stage, self.engine = 0, worker
+        self.view = await self.answering_view()
+        self.state = STATE_ACTIVE
+        await self.publish()
+        self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
+        self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
+        self._tasks.append(asyncio.create_task(self._train(worker), name="rounds"))
+        self._write_ready_file()
+        logger.info("[%s] active: rollout worker with policy %s", self.short_id, worker.model_id)
 
     async def answering_view(self) -> SwarmView:
         """The swarm view without the peers that do not answer a ping. A killed peer's record lives on
@@ -300,7 +337,7 @@ class Node:
                                self.short_id, self.stage)  # fmt: skip
             await worker.start_averaging()
 
-    async def _train(self, driver: DataDriver) -> None:
+    async def _train(self, driver: DataDriver | RolloutWorker) -> None:
         try:
             await driver.train()
             logger.info("[%s] training done: %s", self.short_id, driver.summary)

@@ -14,6 +14,7 @@ StageIndex = int
 
 ROLE_DATA = "data"
 ROLE_WORKER = "worker"
+ROLE_ROLLOUT = "rollout"  # GRPO: holds a whole policy, no stage
 STATE_JOINING = "joining"
 STATE_ACTIVE = "active"
 STATE_LEAVING = "leaving"
@@ -35,7 +36,7 @@ class RepairNote:
 @dataclass(frozen=True)
 class NodeInfo:
     peer_id: PeerID
-    role: str  # ROLE_DATA (stage 0) or ROLE_WORKER (a block stage)
+    role: str  # ROLE_DATA (stage 0), ROLE_WORKER (a block stage) or ROLE_ROLLOUT (GRPO, stage 0)
     stage: StageIndex
     state: str
     block_throughput: float  # microbatches x blocks per second of forward+backward
@@ -55,6 +56,7 @@ class NodeInfo:
     replica_distance: float | None = None  # NoLoCo: ‖θ − θ_partner‖ before its last pair update
     averager_maddrs: tuple[str, ...] = ()  # DiLoCo: its averaging DHT's addresses
     repair: RepairNote | None = None  # CheckFree: how this node rebuilt its stage, if it did
+    model_id: str | None = None  # GRPO: the policy a rollout worker samples with (PolicySpec.model_id)
 
     @property
     def live(self) -> bool:
@@ -71,6 +73,11 @@ class SwarmView:
 
     def live_nodes(self) -> tuple[NodeInfo, ...]:
         return tuple(n for n in self.nodes if n.live)
+
+    def rollout_peers(self, exclude: PeerID | None = None) -> tuple[NodeInfo, ...]:
+        """The active GRPO rollout workers, in peer-id order (so a seeded choice among them is stable)."""
+        peers = (n for n in self.nodes if n.role == ROLE_ROLLOUT and n.state == STATE_ACTIVE and n.peer_id != exclude)
+        return tuple(sorted(peers, key=lambda n: n.peer_id))
 
     def replicas(self, stage: StageIndex, exclude: PeerID | None = None) -> tuple[NodeInfo, ...]:
         return tuple(n for n in self.live_nodes() if n.stage == stage and n.peer_id != exclude)

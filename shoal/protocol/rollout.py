@@ -45,6 +45,7 @@ class RolloutBundle:
     model_id: str = wire_field(max_len=MAX_ID_CHARS)  # the generating policy (PolicySpec.model_id)
     tokenizer_id: str = wire_field(max_len=MAX_ID_CHARS)
     completions: tuple[Completion, ...] = wire_field(max_len=MAX_BUNDLE_COMPLETIONS)
+    run_id: str = wire_field(max_len=MAX_ID_CHARS, default="")  # the run it was sampled for ("": unstated)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class RolloutLimits:
     max_per_prompt: int  # completions one peer may send for one prompt
     max_completions: int = MAX_BUNDLE_COMPLETIONS
     max_tokens: int = MAX_BUNDLE_TOKENS  # over all completions of the bundle
+    run_id: str | None = None  # when set, a bundle must name this run
 
 
 def validate_bundle(bundle: RolloutBundle, limits: RolloutLimits) -> None:
@@ -70,6 +72,8 @@ def validate_bundle(bundle: RolloutBundle, limits: RolloutLimits) -> None:
     empty completion, or a log-prob that is positive or not finite is refused. Bundles are refused as
     a whole: a peer that sends one bad completion is not trusted for the rest of the bundle.
     """
+    if limits.run_id is not None and bundle.run_id != limits.run_id:
+        raise BadRollout(f"bundle is for run {bundle.run_id!r}, this is run {limits.run_id!r}")
     if bundle.task != limits.task:
         raise BadRollout(f"bundle is for task {bundle.task!r}, this round is {limits.task!r}")
     if bundle.round != limits.round:

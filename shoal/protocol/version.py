@@ -8,9 +8,9 @@ peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: 
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = (
-    3  # 3: stage copies carry gradient norms, node records a repair; 2: `waiting_for`, recompute, step close
-)
+# 4: node records declare a model id (GRPO rollout workers); 3: stage copies carry gradient norms, node
+# records a repair; 2: `waiting_for`, recompute, step close
+PROTOCOL_VERSION = 4
 
 
 def is_compatible(version: object) -> bool:
