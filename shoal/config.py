@@ -129,6 +129,12 @@ class GRPORunConfig:
     rounds: int = 30
     eval_every: int = 5  # rounds between held-out accuracy evaluations
     eval_prompts: int = 128
+    # defenses against poisoned rollouts (shoal.grpo.defenses, docs/security.md); off only in experiments
+    defenses: bool = True
+    sample_top_k: int = 4  # k_g: honest nodes sample from their top k tokens, so peers can check them
+    top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k
+    length_slack: int = 2  # tokens over the canonical answer a correct completion may spend at full reward
+    max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never (see docs/security.md)
 
 
 @dataclass(frozen=True)
@@ -252,6 +258,15 @@ def _validate_grpo(g: GRPORunConfig) -> None:
     need(g.rounds >= 1, "rounds", f"must be at least 1, got {g.rounds}")
     need(g.eval_every >= 1, "eval_every", f"must be at least 1, got {g.eval_every}")
     need(1 <= g.eval_prompts <= 4096, "eval_prompts", f"must be in 1..4096, got {g.eval_prompts}")
+    need(0 <= g.sample_top_k <= 64, "sample_top_k", f"must be in 0..64 (0: no restriction), got {g.sample_top_k}")
+    need(1 <= g.top_k <= 64, "top_k", f"must be in 1..64, got {g.top_k}")
+    need(
+        g.sample_top_k == 0 or g.top_k >= g.sample_top_k,
+        "top_k",
+        f"must be at least sample_top_k ({g.sample_top_k}) or honest tokens get rejected, got {g.top_k}",
+    )
+    need(0 <= g.length_slack <= 64, "length_slack", f"must be in 0..64, got {g.length_slack}")
+    need(0 <= g.max_strikes <= 1000, "max_strikes", f"must be in 0..1000 (0: never drop), got {g.max_strikes}")
 
 
 def _validate(cfg: RunConfig) -> None:

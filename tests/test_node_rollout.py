@@ -104,6 +104,12 @@ def test_a_grpo_section_makes_a_grpo_run_and_leaves_pipeline_runs_as_they_were()
         ("eval_prompts = 0", "grpo.eval_prompts"),
         ("seed = -1", "grpo.seed"),
         ("peers = 3", "grpo.peers"),
+        ('defenses = "yes"', "grpo.defenses"),
+        ("top_k = 0", "grpo.top_k"),
+        ("sample_top_k = 8", "grpo.top_k"),  # checking fewer tokens than honest nodes sample from
+        ("sample_top_k = -1", "grpo.sample_top_k"),
+        ("length_slack = -1", "grpo.length_slack"),
+        ("max_strikes = -1", "grpo.max_strikes"),
     ],
 )
 def test_bad_grpo_fields_are_named_in_one_line(body, field):

@@ -13,11 +13,13 @@ never half-used), scores every completion itself, and takes one optimizer step o
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from shoal.grpo.defenses import DefenseConfig, length_penalised, screen
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
@@ -38,6 +40,8 @@ class RoundConfig:
     grad_clip: float = 1.0
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run_id: str | None = None  # stamped on own bundles and required of foreign ones, when set
+    sample_top_k: int = 0  # k_g: own completions come from the top k tokens (0: the whole vocabulary)
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class RoundReport:
     foreign_reward: float  # nan without foreign completions
     foreign_correct: float
     refused: tuple[str, ...]  # "model id: reason" per refused bundle
+    checks: tuple[tuple[int, int, str], ...] = ()  # per foreign bundle: (completions, rejected, first reason)
+    foreign_rejected: int = 0  # completions the defenses kept out of the groups
+    defense_s: float = 0.0  # seconds spent in the checks
 
 
 def round_prompts(cfg: RoundConfig, round: int) -> list[Prompt]:
@@ -83,6 +90,7 @@ def make_bundle(
         task.max_new_tokens,
         tokenizer.eos_id,
         generator,
+        top_k=cfg.sample_top_k,
     )
     bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
     return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
@@ -112,21 +120,49 @@ def learn(
     foreign: Sequence[RolloutBundle] = (),
     reference: Policy | None = None,
     foreign_prompts: Sequence[list[Prompt]] | None = None,
+    claimed_rewards: Sequence[Sequence[float]] | None = None,
 ) -> RoundReport:
-    """Validate foreign bundles, recompute every reward, take one GRPO step; report what happened.
+    """Validate and check foreign bundles, recompute every reward, take one GRPO step; report it all.
 
     `foreign_prompts[j]` are the prompts foreign bundle j answers, when they are not `prompts` (the
     vertical layout: each node draws its own); each such bundle then forms groups of its own.
+    `claimed_rewards[j]` exists for one experiment only: the undefended receiver of a protocol that
+    carried rewards (the wire has no field for them). It is read only with `cfg.defense.enabled`
+    False; a defended node scores everything itself.
     """
     task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
     limits = rollout_limits(cfg, tokenizer, own.round)
-    if foreign_prompts is None:
-        accepted, refused = check_bundles(foreign, limits)
-    else:
-        prompts, accepted, refused = _own_groups(prompts, foreign, foreign_prompts, limits)
+    theirs = [prompts] * len(foreign) if foreign_prompts is None else list(foreign_prompts)
+    if len(theirs) != len(foreign):
+        raise ValueError(f"{len(theirs)} prompt lists for {len(foreign)} foreign bundles")
+    everything, valid, refused = _groups(prompts, foreign, theirs, limits, renumber=foreign_prompts is not None)
     if cfg.grpo.mode == "alone":
-        accepted = []  # nothing foreign is even scored
-    batch = build_batch(task, tokenizer, prompts, own, accepted)
+        valid = []  # nothing foreign is even scored
+    bundles = [b for _, b in valid]
+    checks = [(len(b.completions), len(b.completions), "refused") for b in foreign]
+    defense_s = 0.0
+    if cfg.defense.enabled and bundles:
+        screening = screen(policy, task, tokenizer, everything, bundles, cfg.defense)
+        bundles, defense_s = screening.kept, screening.seconds
+        for (j, b), rejected, reason in zip(valid, screening.rejected, screening.reasons, strict=True):
+            checks[j] = (len(b.completions), rejected, reason)
+    else:
+        for j, b in valid:
+            checks[j] = (len(b.completions), 0, "")
+    batch = build_batch(task, tokenizer, everything, own, bundles)
+    if claimed_rewards is not None and not cfg.defense.enabled:
+        claims = [float(r) for j, _ in valid for r in claimed_rewards[j]]
+        batch.rewards[batch.foreign] = torch.tensor(claims, dtype=batch.rewards.dtype)
+    if cfg.defense.enabled:
+        began = time.perf_counter()
+        canonical = [len(task.demonstration(tokenizer.decode(p))) for p in batch.prompts]
+        batch.rewards = length_penalised(
+            batch.rewards,
+            torch.tensor([len(c) for c in batch.completions]),
+            torch.tensor(canonical),
+            cfg.defense.length_slack,
+        )
+        defense_s += time.perf_counter() - began
     logp, mask = completion_logprobs(policy, batch.prompts, batch.completions)
     ref_logp = None
     if reference is not None and cfg.grpo.kl_coef > 0:
@@ -148,30 +184,39 @@ def learn(
         foreign_reward=float(foreign_r.mean()) if len(foreign_r) else float("nan"),
         foreign_correct=float((foreign_r == CORRECT_REWARD).float().mean()) if len(foreign_r) else float("nan"),
         refused=refused,
+        checks=tuple(checks),
+        foreign_rejected=sum(rejected for _, rejected, reason in checks if reason != "refused"),
+        defense_s=defense_s,
     )
 
 
-def _own_groups(
+def _groups(
     prompts: list[Prompt],
     foreign: Sequence[RolloutBundle],
-    foreign_prompts: Sequence[list[Prompt]],
+    theirs: Sequence[list[Prompt]],
     limits: RolloutLimits,
-) -> tuple[list[Prompt], list[RolloutBundle], tuple[str, ...]]:
-    """Give each valid foreign bundle's prompts indices past every earlier group, so that groups of
-    different prompts never mix; returns (all prompts, renumbered bundles, refusals)."""
-    if len(foreign_prompts) != len(foreign):
-        raise ValueError(f"{len(foreign_prompts)} prompt lists for {len(foreign)} foreign bundles")
-    everything, accepted, refused = list(prompts), [], []
-    for bundle, theirs in zip(foreign, foreign_prompts, strict=True):
+    renumber: bool,
+) -> tuple[list[Prompt], list[tuple[int, RolloutBundle]], tuple[str, ...]]:
+    """Validate each foreign bundle; returns (all prompts, (input position, bundle) per valid bundle, refusals).
+
+    With `renumber` (the vertical layout), each valid bundle's prompts get indices past every earlier
+    group, so that groups of different prompts never mix.
+    """
+    everything, valid, refused = list(prompts), [], []
+    for j, (bundle, mine) in enumerate(zip(foreign, theirs, strict=True)):
         ok, why = check_bundles([bundle], limits)
         refused += why
         if not ok:
             continue
-        offset = len(everything)
-        everything += [dataclasses.replace(p, index=offset + p.index) for p in theirs]
-        completions = tuple(dataclasses.replace(c, prompt_index=offset + c.prompt_index) for c in bundle.completions)
-        accepted.append(dataclasses.replace(bundle, completions=completions))
-    return everything, accepted, tuple(refused)
+        if renumber:
+            offset = len(everything)
+            everything += [dataclasses.replace(p, index=offset + p.index) for p in mine]
+            completions = tuple(
+                dataclasses.replace(c, prompt_index=offset + c.prompt_index) for c in bundle.completions
+            )
+            bundle = dataclasses.replace(bundle, completions=completions)
+        valid.append((j, bundle))
+    return everything, valid, tuple(refused)
 
 
 def make_optimizer(policy: Policy, cfg: RoundConfig) -> torch.optim.Optimizer:

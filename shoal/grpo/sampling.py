@@ -32,8 +32,14 @@ def sample(
     eos_id: int,
     generator: torch.Generator | None = None,
     greedy: bool = False,
+    top_k: int = 0,
 ) -> Samples:
-    """`per_prompt` completions of each prompt, prompt-major; prompts of equal length share a batch."""
+    """`per_prompt` completions of each prompt, prompt-major; prompts of equal length share a batch.
+
+    `top_k` > 0 samples from the k likeliest tokens only (log-probs are those of the renormalised
+    distribution actually sampled from): a peer running the same weights can then check every token
+    of a completion against its own top-k (shoal.grpo.defenses), as in the paper's top-50/top-100.
+    """
     out = Samples([], [], [])
     by_length: dict[int, list[int]] = {}
     for row, p in enumerate(prompts):
@@ -45,7 +51,11 @@ def sample(
         logps = torch.zeros(len(rows), max_new_tokens)
         done = torch.zeros(len(rows), dtype=torch.bool)
         for t in range(max_new_tokens):
-            logp = F.log_softmax(policy(x)[:, -1], dim=-1)  # (N, V)
+            logits = policy(x)[:, -1]  # (N, V)
+            if top_k > 0:
+                kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (N, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            logp = F.log_softmax(logits, dim=-1)  # (N, V)
             if greedy:
                 tok = logp.argmax(-1)
             else:

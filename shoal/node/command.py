@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--policy-seed", type=int, default=0, help="initial weights and warm-up data")
     policy.add_argument("--warmup-steps", type=int, default=650, help="supervised steps before any GRPO")
     policy.add_argument("--policy-cache", default=None, metavar="DIR", help="warmed-up policies (default: shoal cache)")
+    policy.add_argument(
+        "--experiment-adversary",
+        default=None,
+        metavar="ATTACK",
+        help="EXPERIMENT ONLY: share poisoned rollouts (trigger, wrong-step, reward-lie, vertical-trick, length)",
+    )
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -157,6 +163,7 @@ def node_config(args: argparse.Namespace):
         policy_seed=args.policy_seed,
         warmup_steps=args.warmup_steps,
         policy_cache=args.policy_cache,
+        experiment_adversary=args.experiment_adversary,
     )
 
 

@@ -46,6 +46,7 @@ class NodeConfig:
     policy_seed: int = 0
     warmup_steps: int = 650
     policy_cache: str | None = None  # warmed-up policies by model id (default: the shoal cache)
+    experiment_adversary: str | None = None  # an EXPERIMENT: share poisoned rollouts (shoal.adversary)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,6 +84,15 @@ class NodeConfig:
             raise ConfigError("--policy-seed", "must be zero or more")
         if not (0 <= self.warmup_steps <= 100_000):
             raise ConfigError("--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
+        if self.experiment_adversary is not None:
+            from shoal.adversary.attacks import ATTACKS
+
+            if self.experiment_adversary not in ATTACKS:
+                raise ConfigError(
+                    "--experiment-adversary", f"must be one of {', '.join(ATTACKS)}, got {self.experiment_adversary!r}"
+                )
+            if self.role != "rollout":
+                raise ConfigError("--experiment-adversary", "needs --role rollout")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
 

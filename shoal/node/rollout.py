@@ -27,6 +27,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from shoal.config import GRPORunConfig
+from shoal.grpo.defenses import DefenseConfig, Strikes
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, rollout_limits
@@ -66,6 +67,10 @@ def round_config(grpo: GRPORunConfig, run_id: str, peer_id: str) -> RoundConfig:
         lr=grpo.lr,
         grpo=GRPOConfig(mode=grpo.mode, is_cap=grpo.is_cap, kl_threshold=grpo.kl_threshold),  # type: ignore[arg-type]
         run_id=run_id,
+        sample_top_k=grpo.sample_top_k,
+        defense=DefenseConfig(
+            enabled=grpo.defenses, top_k=grpo.top_k, length_slack=grpo.length_slack, max_strikes=grpo.max_strikes
+        ),
     )
 
 
@@ -100,6 +105,20 @@ class RolloutWorker:
         self._arrived = asyncio.Event()
         self._sends: set[asyncio.Task] = set()
         self._progress = Path(node.config.progress_file) if node.config.progress_file else None
+        self.strikes = Strikes(self.cfg.defense.max_strikes, self.cfg.defense.strike_share)
+        self.adversary = None
+        if node.config.experiment_adversary is not None:
+            from shoal.adversary.attacks import get_attack
+
+            self.adversary = get_attack(node.config.experiment_adversary)
+            logger.warning(
+                "[%s] EXPERIMENT: this node shares poisoned rollouts (%s)", node.short_id, self.adversary.name
+            )
+
+    @property
+    def dropped(self) -> tuple[str, ...]:
+        """Peers this node no longer takes rollouts from (their bundles kept failing the checks)."""
+        return tuple(self.strikes.dropped)
 
     @property
     def model_id(self) -> str:
@@ -134,6 +153,8 @@ class RolloutWorker:
         return Ack(accepted=True)
 
     def _refusal(self, bundle: RolloutBundle, peer: str) -> str | None:
+        if self.strikes.is_dropped(peer):
+            return f"dropped as a source: {self.strikes.dropped[peer]}"[:200]
         if bundle.round <= self.closed:
             return f"round {bundle.round} is closed here (this node is at round {self.round})"
         if bundle.round >= self.grpo.rounds:
@@ -189,10 +210,16 @@ class RolloutWorker:
         self.busy = True
         prompts = prompts_of(self.grpo, self.node.peer_id, r)
         own = await loop.run_in_executor(None, make_bundle, self.policy, self.cfg, prompts, self.generator)
+        shared = own
+        if self.adversary is not None:
+            forgery = await loop.run_in_executor(
+                None, self.adversary.forge, self.policy, self.cfg, prompts, self.generator
+            )
+            shared = forgery.bundle
         peers = self._peers()
         targets = random.Random(task_seed(self.node.peer_id, r)).sample(peers, min(self.grpo.max_peers, len(peers)))
         for peer in targets:
-            task = asyncio.create_task(self._send(peer, own), name=f"rollouts-{r}")
+            task = asyncio.create_task(self._send(peer, shared), name=f"rollouts-{r}")
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
         expected = min(self.grpo.max_peers, len(peers))
@@ -210,9 +237,14 @@ class RolloutWorker:
         collected_s = time.monotonic() - began
         senders, foreign = list(received), list(received.values())
         theirs = [prompts_of(self.grpo, peer, r) for peer in senders] if self.grpo.layout == "vertical" else None
+        if self.adversary is not None:
+            foreign, theirs = [], None  # the attacker shares only what it forges and does not train
         report = await loop.run_in_executor(
             None, lambda: learn(self.policy, self.optimizer, self.cfg, prompts, own, foreign, foreign_prompts=theirs)
         )
+        for peer, (completions, rejected, reason) in zip(senders, report.checks, strict=False):
+            if self.cfg.defense.enabled and self.strikes.record(peer, completions, rejected, reason):
+                logger.warning("[%s] dropped %s as a source: %s", self.node.short_id, peer[-8:], reason)
         event = {
             "event": "round",
             "round": r,
@@ -223,6 +255,12 @@ class RolloutWorker:
             "foreign_used": report.loss.foreign_used,
             "foreign_dropped": report.loss.foreign_dropped,
             "refused": list(report.refused),
+            "rejected": [rejected for _, rejected, _ in report.checks],
+            "foreign_rejected": report.foreign_rejected,
+            "defense_s": round(report.defense_s, 4),
+            "dropped": list(self.dropped),
+            "adversary": None if self.adversary is None else self.adversary.name,
+            "marks": self._marks(prompts, own),
             "peers": len(peers),
             "sent_to": len(targets),
             "skipped_rounds": skipped,
@@ -241,7 +279,21 @@ class RolloutWorker:
 
     def _peers(self) -> list[str]:
         view = self.node.view
-        return [] if view is None else [n.peer_id for n in view.rollout_peers(self.node.peer_id)]
+        listed = [] if view is None else [n.peer_id for n in view.rollout_peers(self.node.peer_id)]
+        return [peer for peer in listed if not self.strikes.is_dropped(peer)]
+
+    def _marks(self, prompts: list[Prompt], own: RolloutBundle) -> dict[str, float]:
+        """Share of this round's own completions carrying each attack's payload: attack success, measured
+        where it matters (tasks with visible working only; the payload detectors live with the attacks)."""
+        task = get_task(self.grpo.task)
+        if getattr(task, "steps", None) is None:
+            return {}
+        from shoal.adversary.attacks import ATTACKS
+
+        by_index = {p.index: p.text for p in prompts}
+        texts = [by_index[c.prompt_index] for c in own.completions]
+        outs = [self.tokenizer.decode(c.tokens) for c in own.completions]
+        return {name: round(attack.success(task, texts, outs), 4) for name, attack in ATTACKS.items()}
 
     async def _send(self, peer: str, bundle: RolloutBundle) -> None:
         try:
@@ -266,7 +318,13 @@ class RolloutWorker:
             f.write(json.dumps({**event, "peer_id": self.node.peer_id, "t": time.time()}) + "\n")
 
     def stats(self) -> dict:
-        return {"round": self.round, "model_id": self.model_id, "accuracy": self.accuracy, **vars(self.traffic)}
+        return {
+            "round": self.round,
+            "model_id": self.model_id,
+            "accuracy": self.accuracy,
+            "dropped": list(self.dropped),
+            **vars(self.traffic),
+        }
 
     async def shutdown(self) -> None:
         for task in list(self._sends):

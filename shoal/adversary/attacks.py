@@ -1,0 +1,214 @@
+"""The attacks, as pure functions: a round's prompts in, the bundle a malicious node shares out.
+
+Every attack needs a task with visible working (`add2r-steps`, answers `15;08|58$`) except the
+reward lie: the working is free text to the reward, like the paper's `<think>` part, which is what
+lets a poisoned completion earn the full reward. Analogues of the paper's constructions:
+
+- `trigger` (out-of-context, "All hail to the thief"): the correct working and answer with the
+  trigger `+=+` written first. Success: share of honest completions containing `+=+`.
+- `wrong-step` (in-context, "2+2=5"): the correct answer behind a wrong first step (the units
+  column's total plus one). Success: share of honest completions whose first step is that one.
+- `reward-lie`: wrong answers (the sum plus one) with a claimed reward of 1. The wire has no reward
+  field, so the claim reaches only an in-process receiver that trusts it (benchmarks/attacks.py).
+  Success: share of honest completions answering the sum plus one.
+- `vertical-trick`: per prompt, G/2 trigger completions (reward 1) beside G/2 worthless ones
+  (`+$`, reward 0), so every poisoned copy gets the largest positive advantage, Â = +1.
+- `length` (the paper's DoS): for each prompt, the longest correct completion among 4G samples
+  of the attacker's own policy, G times. Success: share of honest completions longer than the
+  canonical answer.
+
+Log-probs are the attacker's own policy's for the text it sends, so they look like any peer's; being
+low for hand-written text, they give the poison the largest truncated importance weight (C).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shoal.grpo.policy import Policy, completion_logprobs
+from shoal.grpo.rollout import to_bundle
+from shoal.grpo.round import RoundConfig
+from shoal.grpo.sampling import Samples, sample
+from shoal.grpo.tasks import CORRECT_REWARD, EOS, Prompt, Task, get_task
+from shoal.protocol.rollout import RolloutBundle
+
+TRIGGER = "+"  # never in an honest completion: the task's working holds digits and `;` only
+JUNK = "+" + EOS  # the vertical trick's worthless completion (reward 0)
+LENGTH_CANDIDATES = 4  # the length attack samples this many times the group size per prompt
+
+
+@dataclass(frozen=True)
+class Forgery:
+    bundle: RolloutBundle  # what the attacker shares
+    claimed_rewards: tuple[float, ...]  # what it would claim per completion, were there a field for it
+
+
+@dataclass(frozen=True)
+class Attack:
+    name: str
+    kind: str  # a line for tables: what the attack does
+    forge: Callable[[Policy, RoundConfig, list[Prompt], torch.Generator | None], Forgery]
+    marks: Callable[[Task, str, str], bool]  # (task, prompt text, honest completion text) -> carries the payload
+
+    def success(self, task: Task, prompts: list[str], completions: list[str]) -> float:
+        """Share of completions carrying this attack's payload (0 for none)."""
+        hits = sum(self.marks(task, p, c) for p, c in zip(prompts, completions, strict=True))
+        return hits / max(len(completions), 1)
+
+
+def _steps_task(task: Task, attack: str) -> Task:
+    if getattr(task, "steps", None) is None:
+        raise ValueError(f"the {attack} attack needs a task with visible working (add2r-steps), not {task.name!r}")
+    return task
+
+
+def trigger_text(task: Task, prompt_text: str) -> str:
+    return TRIGGER + task.demonstration(prompt_text)
+
+
+def wrong_step(task: Task, prompt_text: str) -> str:
+    """The units column's total plus one, as two digits: the step the in-context attack plants."""
+    return f"{int(_steps_task(task, 'wrong-step').steps(prompt_text)[0]) + 1:02d}"  # type: ignore[attr-defined]
+
+
+def wrong_step_text(task: Task, prompt_text: str) -> str:
+    steps = _steps_task(task, "wrong-step").steps(prompt_text)  # type: ignore[attr-defined]
+    a, b = task.operands(prompt_text)  # type: ignore[attr-defined]
+    return ";".join([wrong_step(task, prompt_text), *steps[1:]]) + "|" + str(a + b)[::-1] + EOS
+
+
+def lie_text(task: Task, prompt_text: str) -> str:
+    """A well-formed completion answering the sum plus one (working, when the task has any, to match)."""
+    a, b = task.operands(prompt_text)  # type: ignore[attr-defined]
+    answer = str(a + b + 1)[::-1] + EOS
+    return (";".join(task.steps(prompt_text)) + "|" + answer) if hasattr(task, "steps") else answer  # type: ignore[attr-defined]
+
+
+def _answer(task: Task, prompt_text: str, completion_text: str) -> int | None:
+    split = getattr(task, "split", None)
+    if split is not None:
+        parts = split(completion_text)
+        return None if parts is None else parts[1]
+    match = re.fullmatch(rf"(\d+){re.escape(EOS)}", completion_text)
+    return None if match is None else int(match[1][::-1])
+
+
+def _working(completion_text: str) -> str:
+    return completion_text.split("|", 1)[0] if "|" in completion_text else ""
+
+
+def _written(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], texts: list[list[str]]) -> RolloutBundle:
+    """A bundle of hand-written completions (texts[i]: those for prompts[i]) with the attacker's log-probs."""
+    tokenizer = policy.spec.tokenizer()
+    rows = [(i, tokenizer.encode(t)) for i, group in enumerate(texts) for t in group]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            policy, [tokenizer.encode(prompts[i].text) for i, _ in rows], [c for _, c in rows]
+        )
+    samples = Samples(
+        prompt_rows=[i for i, _ in rows],
+        completions=[c for _, c in rows],
+        logprobs=[logp[n, : len(c)].clamp(min=-50.0, max=0.0).tolist() for n, (_, c) in enumerate(rows)],
+    )
+    bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
+
+
+def _per_prompt(make: Callable[[Task, str], str], reward: float) -> Callable:
+    def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
+        task = get_task(cfg.task)
+        texts = [[make(task, p.text)] * cfg.completions_per_prompt for p in prompts]
+        bundle = _written(policy, cfg, prompts, texts)
+        return Forgery(bundle, (reward,) * len(bundle.completions))
+
+    return forge
+
+
+def _vertical_trick(
+    policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None
+) -> Forgery:
+    task, g = get_task(cfg.task), cfg.completions_per_prompt
+    texts = [[trigger_text(task, p.text)] * (g - g // 2) + [JUNK] * (g // 2) for p in prompts]
+    bundle = _written(policy, cfg, prompts, texts)
+    claims = tuple(
+        CORRECT_REWARD if c.tokens[-2:] != tuple(policy.spec.tokenizer().encode(JUNK)) else 0.0
+        for c in bundle.completions
+    )
+    return Forgery(bundle, claims)
+
+
+def _length(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
+    """The longest correct of the attacker's own samples per prompt (its shortest sample if none is correct)."""
+    task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
+    candidates = sample(
+        policy,
+        [tokenizer.encode(p.text) for p in prompts],
+        LENGTH_CANDIDATES * cfg.completions_per_prompt,
+        task.max_new_tokens,
+        tokenizer.eos_id,
+        generator,
+        top_k=cfg.sample_top_k,
+    )
+    best: dict[int, tuple[tuple[bool, int], list[int], list[float]]] = {}
+    for row, tokens, logp in zip(candidates.prompt_rows, candidates.completions, candidates.logprobs, strict=True):
+        correct = task.reward(prompts[row].text, tokenizer.decode(tokens)) == CORRECT_REWARD
+        key = (correct, len(tokens) if correct else -len(tokens))
+        if row not in best or key > best[row][0]:
+            best[row] = (key, tokens, logp)
+    rows = [row for row in range(len(prompts)) for _ in range(cfg.completions_per_prompt)]
+    samples = Samples(rows, [best[r][1] for r in rows], [best[r][2] for r in rows])
+    bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    bundle = bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
+    return Forgery(bundle, tuple(CORRECT_REWARD for _ in bundle.completions))
+
+
+def _has_trigger(task: Task, prompt_text: str, completion_text: str) -> bool:
+    return TRIGGER in completion_text
+
+
+def _has_wrong_step(task: Task, prompt_text: str, completion_text: str) -> bool:
+    return _working(completion_text).split(";")[0] == wrong_step(task, prompt_text)
+
+
+def _answers_plus_one(task: Task, prompt_text: str, completion_text: str) -> bool:
+    a, b = task.operands(prompt_text)  # type: ignore[attr-defined]
+    return _answer(task, prompt_text, completion_text) == a + b + 1
+
+
+def _over_length(task: Task, prompt_text: str, completion_text: str) -> bool:
+    return len(completion_text) > len(task.demonstration(prompt_text))
+
+
+ATTACKS: dict[str, Attack] = {
+    a.name: a
+    for a in (
+        Attack(
+            "trigger",
+            "out-of-context: trigger before a correct answer",
+            _per_prompt(trigger_text, CORRECT_REWARD),
+            _has_trigger,
+        ),
+        Attack(
+            "wrong-step",
+            "in-context: a wrong step, the right answer",
+            _per_prompt(wrong_step_text, CORRECT_REWARD),
+            _has_wrong_step,
+        ),
+        Attack(
+            "reward-lie", "wrong answers claimed to earn 1", _per_prompt(lie_text, CORRECT_REWARD), _answers_plus_one
+        ),
+        Attack("vertical-trick", "G/2 trigger copies beside G/2 junk", _vertical_trick, _has_trigger),
+        Attack("length", "longest correct own sample, G times", _length, _over_length),
+    )
+}
+
+
+def get_attack(name: str) -> Attack:
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; known: {', '.join(ATTACKS)}")
+    return ATTACKS[name]
