@@ -30,9 +30,9 @@ from typing import Protocol
 
 import torch
 
-from shoal.grpo.policy import Policy
+from shoal.grpo.policy import Policy, completion_logits
 from shoal.grpo.tasks import CORRECT_REWARD, FORMAT_REWARD, Prompt, Task
-from shoal.grpo.tokenizer import PAD_ID, CharTokenizer
+from shoal.grpo.tokenizer import CharTokenizer
 from shoal.protocol.rollout import RolloutBundle
 
 MAX_DROPPED = 16  # sources a node remembers (and advertises) as dropped
@@ -80,22 +80,9 @@ def topk_accept(policy: Policy, prompts: list[list[int]], completions: list[list
     One forward pass over all N completions, padded to the longest; padding never counts (its
     logit is -inf, and positions past a completion's end are masked).
     """
-    n = len(prompts)
-    if n == 0:
+    if not prompts:
         return torch.zeros(0, dtype=torch.bool)
-    width = max(len(c) for c in completions)
-    total = max(len(p) for p in prompts) + width
-    seqs = torch.full((n, total), PAD_ID, dtype=torch.long)
-    targets = torch.full((n, width), PAD_ID, dtype=torch.long)
-    starts = torch.empty(n, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        seqs[i, : len(p) + len(c)] = torch.tensor(p + c)
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        starts[i] = len(p) - 1  # the position whose logits predict the first completion token
-    mask = targets != PAD_ID  # (N, T)
-    positions = starts[:, None] + torch.arange(width)  # (N, T)
-    logits = policy(seqs)  # (N, L, V)
-    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))  # (N, T, V)
+    logits, targets, mask = completion_logits(policy, prompts, completions)
     top = logits.topk(min(k, logits.size(-1)), dim=-1).indices  # (N, T, k)
     hit = (top == targets[..., None]).any(-1)  # (N, T)
     return (hit | ~mask).all(-1)

@@ -75,13 +75,13 @@ class Policy(nn.Module):
         return logits.index_fill(-1, torch.tensor([PAD_ID]), float("-inf"))
 
 
-def completion_logprobs(
+def completion_logits(
     policy: Policy, prompts: list[list[int]], completions: list[list[int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of each completion given its prompt, in one forward pass.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy's logits at every completion position, teacher-forced, in one forward pass.
 
-    Returns (logp, mask), both (N, T) with T the longest completion; positions past a completion's
-    end have mask False and logp 0. Gradients flow into the policy.
+    Returns (logits (N, T, V), targets (N, T), mask (N, T)) with T the longest completion; positions
+    past a completion's end hold PAD_ID targets and mask False. Gradients flow into the policy.
     """
     n, width = len(prompts), max((len(c) for c in completions), default=0)
     total = max(len(p) for p in prompts) + width  # so every position below stays inside
@@ -92,10 +92,21 @@ def completion_logprobs(
         seqs[i, : len(p) + len(c)] = torch.tensor(p + c)
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         starts[i] = len(p) - 1  # the position whose logits predict the first completion token
-    mask = targets != PAD_ID
     positions = starts[:, None] + torch.arange(width)  # (N, T), always < total
     logits = policy(seqs)  # (N, L, V)
     logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))  # (N, T, V)
+    return logits, targets, targets != PAD_ID
+
+
+def completion_logprobs(
+    policy: Policy, prompts: list[list[int]], completions: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of each completion given its prompt, in one forward pass.
+
+    Returns (logp, mask), both (N, T) with T the longest completion; positions past a completion's
+    end have mask False and logp 0. Gradients flow into the policy.
+    """
+    logits, targets, mask = completion_logits(policy, prompts, completions)
     picked = targets.masked_fill(~mask, PAD_ID + 1)  # any real token: padding has log-prob -inf
     logp = F.log_softmax(logits, dim=-1).gather(-1, picked[..., None]).squeeze(-1)  # (N, T)
     return logp.masked_fill(~mask, 0.0), mask
