@@ -15,13 +15,16 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss(
+def plot_curves(
     path: Path,
     curves: dict[str, tuple[Sequence[float], Sequence[float]]],
     title: str,
     marks: Sequence[tuple[float, str]] = (),
+    xlabel: str = "step",
+    ylabel: str = "loss (nats/token)",
+    marker: str | None = None,
 ) -> None:
-    """One line per curve name: (x values, loss values); a dashed vertical line per mark (x, label)."""
+    """One line per curve name: (x values, y values); a dashed vertical line per mark (x, label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,7 +32,7 @@ def plot_loss(
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (xs, ys) in curves.items():
-        ax.plot(xs, ys, label=name, linewidth=1.2)
+        ax.plot(xs, ys, label=name, linewidth=1.2, marker=marker)
     grouped: dict[float, list[str]] = {}
     for x, label in marks:  # events at the same step share one line and one label
         grouped.setdefault(x, []).append(label)
@@ -37,9 +40,10 @@ def plot_loss(
         label = "; ".join(labels)
         ax.axvline(x, color="grey", linestyle="--", linewidth=0.9)
         ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
     ax.grid(alpha=0.3)
     if len(curves) > 1:
         ax.legend()
@@ -59,6 +63,6 @@ def write_report(
 ) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    plot_loss(directory / "loss.png", curves, title, marks)
+    plot_curves(directory / "loss.png", curves, title, marks)
     write_json_atomic(directory / "report.json", report)  # last: its presence marks a complete report
     return directory / "report.json"

@@ -11,7 +11,6 @@ about 20 s per distinct policy before round 0; the demo warms them up once, here
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from shoal.config import RunConfig, run_config_from_dict
 from shoal.errors import UsageError
-from shoal.report import write_json_atomic
+from shoal.report import plot_curves, write_json_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,21 +185,5 @@ def write_grpo_report(
 
 
 def _plot(path: Path, curves: dict[str, list[list[float]]], ylabel: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, linewidth=1.2, marker=".")
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    series = {name: ([p[0] for p in points], [p[1] for p in points]) for name, points in curves.items() if points}
+    plot_curves(path, series, "", xlabel="round", ylabel=ylabel, marker=".")
