@@ -79,6 +79,7 @@ class StageWorker(PipelineEngine):
         self.sent: dict[str, SentGradient] = {}
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
         self.forwarding: set[str] = set()  # forwards accepted but not yet saved
+        self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
         self.contributors: set[str] = set()  # data nodes whose gradient has accumulated since the last step
         self.closed: set[str] = set()  # of those, the ones that have closed a step since
@@ -126,8 +127,8 @@ class StageWorker(PipelineEngine):
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
-        if mb in self.saved or mb in self.forwarding or mb in self.backward_done:
-            return Ack(accepted=True)  # a retried stream: we already have it
+        if mb in self.forwarding or mb in self.forwarded or mb in self.saved or mb in self.backward_done:
+            return Ack(accepted=True)  # a retried stream (its ack was lost): we already ran it
         if request.needs_backward and len(self.saved) + self.reserved >= self.node.max_inflight:
             return Ack(accepted=False, reason=f"busy: {self.node.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
@@ -150,6 +151,7 @@ class StageWorker(PipelineEngine):
             x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if request.needs_backward:
                 self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step)
+            self.forwarded[mb] = self._expiry()
         finally:
             self.forwarding.discard(mb)
         self.forwards += 1
@@ -417,7 +419,7 @@ class StageWorker(PipelineEngine):
         for mb in stale:
             self._drop(mb)
         self.expired += len(stale)
-        for kept in (self.sent, self.backward_done):
+        for kept in (self.sent, self.backward_done, self.forwarded):
             for mb in [mb for mb, v in kept.items() if (v if isinstance(v, float) else v.expires_at) < now]:
                 del kept[mb]
         return len(stale)
