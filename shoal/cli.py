@@ -14,6 +14,7 @@ import sys
 
 from shoal.config import ConfigError
 from shoal.errors import UsageError
+from shoal.logs import configure
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shoal.train.command", "train the whole model in one process (the reference trainer)"),
@@ -21,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bootstrap": ("shoal.bootstrap.command", "host a bootstrap peer and print its addresses"),
     "node": ("shoal.node.command", "join a swarm and work"),
     "status": ("shoal.node.status", "show the swarm at a glance"),
+    "health": ("shoal.node.health_check", "ping one node with its health RPC: exit 0 if it answers"),
     "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),
 }
 
@@ -39,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure(getattr(logging, str(args.log_level).upper(), logging.WARNING))
     try:
         return int(args._module.run(args) or 0)
     except (ConfigError, UsageError) as e:

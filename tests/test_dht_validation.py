@@ -1,4 +1,4 @@
-"""DHT validators between real peers: forged, foreign and malformed records are refused."""
+"""DHT validators between real peers: forged, foreign, spoofed and malformed records are refused."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import time
 
 import pytest
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.config import load_run_config
-from shoal.dht.identity import load_identity
+from shoal.dht.identity import load_identity, peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, nodes_key, run_key
+from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
+from shoal.errors import UsageError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,14 +92,9 @@ def test_forged_foreign_and_malformed_records_are_refused():
             # Unsigned (no owner subkey): refused.
             assert not await attacker.node.store(key, _node_record(attacker.peer_id), expires, subkey=b"anyone")
 
-            # A forged run config: its run id does not hash from its content.
-            forged_run = {
-                "kind": "run",
-                "name": "tiny",
-                "run_id": RUN.run_id,
-                "published_at": 1.0,
-                "toml": RUN.replace({"optim.lr": 1.0}).to_toml(),
-            }
+            # A forged run config, with a valid claim: its run id does not hash from its content.
+            claimed = run_record(RUN, attacker.identity.signing_key, get_dht_time())
+            forged_run = dict(claimed, toml=RUN.replace({"optim.lr": 1.0}).to_toml())
             assert not await attacker.node.store(run_key("tiny"), forged_run, expires, subkey=attacker.owner_subkey)
             assert not await attacker.node.store(DEFAULT_RUN_KEY, forged_run, expires, subkey=attacker.owner_subkey)
             # An invalid run config inside a consistent-looking record: refused.
@@ -112,7 +110,66 @@ def test_forged_foreign_and_malformed_records_are_refused():
             assert await attacker.read_runs("tiny") == []
             # The real config, published by its host, is accepted and verifiable.
             assert await honest.publish_run(RUN, ttl_s=30, as_default=True)
-            assert [c.run_id for c in await attacker.read_runs(None)] == [RUN.run_id]
+            assert [p.config.run_id for p in await attacker.read_runs(None)] == [RUN.run_id]
+        finally:
+            await attacker.shutdown()
+            await honest.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_record_naming_another_peer_is_refused():
+    """The peer id in a node record must be the libp2p identity of the key that signed it."""
+
+    async def scenario():
+        honest, attacker = await _two_peers()
+        try:
+            key, expires = nodes_key(RUN.run_id), get_dht_time() + 30
+            assert (
+                attacker.peer_id
+                == attacker.identity.peer_id
+                == peer_id_of(attacker.identity.signing_key.get_public_key().to_bytes())
+            )
+            # Signed by the attacker, under its own subkey, naming the honest peer: refused.
+            assert not await attacker.node.store(
+                key, _node_record(honest.peer_id), expires, subkey=attacker.owner_subkey
+            )
+            # ...or naming a peer id of a key nobody runs: refused as well.
+            stranger = peer_id_of(RSAPrivateKey().get_public_key().to_bytes())
+            assert not await attacker.node.store(key, _node_record(stranger), expires, subkey=attacker.owner_subkey)
+            # The publishing path refuses it too: every peer drops it, nothing is stored.
+            assert not await attacker.publish_node(_node_record(honest.peer_id), ttl_s=30)
+            # Its own record, signed by its own key: accepted, and the only one the honest peer sees.
+            assert await attacker.publish_node(_node_record(attacker.peer_id), ttl_s=30)
+            view = await honest.read_view(RUN)
+            assert [n.peer_id for n in view.nodes] == [attacker.peer_id]
+        finally:
+            await attacker.shutdown()
+            await honest.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_forged_claim_on_a_run_is_refused():
+    """Anyone may republish a run record as it is; nobody may change the claim inside it."""
+
+    async def scenario():
+        honest, attacker = await _two_peers()
+        try:
+            expires = get_dht_time() + 30
+            record = run_record(RUN, honest.identity.signing_key, claimed_at=get_dht_time())
+            # The claim backdated, or its signature replaced by the attacker's: refused.
+            backdated = dict(record, published_at=1.0)
+            resigned = dict(
+                record, claim_signature=run_record(RUN, attacker.identity.signing_key, 1.0)["claim_signature"]
+            )
+            for forged in (backdated, resigned, dict(record, publisher_key="ssh-rsa AAAA")):
+                assert not await attacker.node.store(run_key(RUN.name), forged, expires, subkey=attacker.owner_subkey)
+            # The honest claim republished by the attacker, unchanged: accepted, and still the honest peer's.
+            assert await attacker.node.store(run_key(RUN.name), record, expires, subkey=attacker.owner_subkey)
+            [published] = await honest.read_runs(RUN.name)
+            assert (published.config.run_id, published.publisher) == (RUN.run_id, honest.peer_id)
+            assert published.holders == (attacker.peer_id,)
         finally:
             await attacker.shutdown()
             await honest.shutdown()
@@ -131,6 +188,10 @@ def test_identity_file_keeps_peer_id_and_signing_key(tmp_path):
         finally:
             await dht.shutdown()
 
-    assert asyncio.run(peer_id()) == asyncio.run(peer_id())
+    # One key: the libp2p daemon runs as the identity's peer id, across restarts.
+    assert asyncio.run(peer_id()) == asyncio.run(peer_id()) == first.peer_id
     again = load_identity(path)
     assert first.signing_key.get_public_key().to_bytes() == again.signing_key.get_public_key().to_bytes()
+    (tmp_path / "junk.id").write_bytes(b"not a key")
+    with pytest.raises(UsageError, match="not a libp2p RSA identity"):
+        load_identity(str(tmp_path / "junk.id"))

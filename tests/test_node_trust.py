@@ -1,25 +1,49 @@
-"""A worker against a peer that sends it hand-built pipeline requests: repeats, floods, foreign ids,
-huge gradients. Each is refused or taken as already done, and the worker keeps training."""
+"""A worker against peers that send it hand-built pipeline requests: repeats, floods, foreign ids and
+senders, huge gradients, hostile strings. Each is refused or taken as already done, and the worker
+keeps training."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import msgpack
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.transport import open_call, read_reply
-from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
+from shoal.node.transport import FramedStream, RemoteError, call, open_call, read_reply, serve
+from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
+from shoal.protocol.version import PROTOCOL_VERSION
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
+MODEL = tiny_run().model
 
-async def send_forward(client: SwarmDHT, peer_id: str, request: ForwardRequest, x: torch.Tensor) -> Ack:
-    stream = await open_call(client.p2p, peer_id, "rpc_forward", timeout_s=10)
+
+class Home:
+    """What a data node serves for activations coming home: take them, keep nothing."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+
+    async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
+        from shoal.protocol.tensors import TensorSpec
+
+        await stream.read_tensor(TensorSpec("float32", (None, None, MODEL.d_model)))
+        self.arrived += 1
+        return Ack(accepted=True)
+
+
+async def client(worker) -> SwarmDHT:
+    return await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
+
+
+async def send(dht: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
+    stream = await open_call(dht.p2p, peer_id, rpc, timeout_s=10)
     try:
         await stream.write_message(request)
         await stream.write_tensor(x, "float32")
@@ -28,35 +52,149 @@ async def send_forward(client: SwarmDHT, peer_id: str, request: ForwardRequest, 
         stream.close()
 
 
+def forward(dht: SwarmDHT, worker, mb: str, needs_backward: bool = True, origin: str | None = None) -> ForwardRequest:
+    route = (Hop(stage=1, peer_id=worker.peer_id),)
+    return ForwardRequest(microbatch_id=mb, origin=origin or dht.peer_id, step=0, hop=0, route=route,
+                          needs_backward=needs_backward)  # fmt: skip
+
+
+def backward(worker, mb: str, origin: str) -> BackwardRequest:
+    return BackwardRequest(
+        microbatch_id=mb, origin=origin, step=0, hop=0, route=(Hop(stage=1, peer_id=worker.peer_id),)
+    )
+
+
+def start_worker(swarm, tmp_path, *extra: str):
+    bootstrap = swarm.start_bootstrap("--run-config", str(write_tiny_run(tmp_path)))
+    stats = tmp_path / "worker.json"
+    worker = swarm.start_node(
+        [bootstrap.maddrs[0]], "--role", "worker", "--stage", "1", "--stats-file", str(stats), *extra
+    )
+    return bootstrap, worker, stats
+
+
 def test_a_repeated_evaluation_forward_runs_once(swarm, tmp_path):
     """A sender whose ack was lost sends the same microbatch again: the worker answers "taken" and
     does not run (and pass on) the forward a second time, even once the first is long done."""
-    run_file = write_tiny_run(tmp_path, **{"pipeline.wire_dtype": "float32"})
-    bootstrap = swarm.start_bootstrap("--run-config", str(run_file))
-    stats = tmp_path / "worker.json"
-    worker = swarm.start_node([bootstrap.maddrs[0]], "--role", "worker", "--stage", "1", "--stats-file", str(stats))
-    model = tiny_run().model
+    _, worker, stats = start_worker(swarm, tmp_path)
 
     async def scenario():
-        client = await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
+        dht = await client(worker)
         try:
-            request = ForwardRequest(
-                microbatch_id="evaluation-repeat",
-                origin=client.peer_id,
-                step=-1,
-                hop=0,
-                route=(Hop(stage=1, peer_id=worker.peer_id),),
-                needs_backward=False,
-            )
-            x = torch.randn(2, 8, model.d_model)
-            first = await send_forward(client, worker.peer_id, request, x)
+            request, x = forward(dht, worker, "evaluation-repeat", needs_backward=False), torch.randn(2, 8, 32)
+            first = await send(dht, worker.peer_id, "rpc_forward", request, x)
             await asyncio.sleep(2.0)  # the first forward is done and its output sent on (or given up)
-            second = await send_forward(client, worker.peer_id, request, x)
-            return first, second
+            return first, await send(dht, worker.peer_id, "rpc_forward", request, x)
         finally:
-            await client.shutdown()
+            await dht.shutdown()
 
     first, second = asyncio.run(scenario())
     assert first.accepted and second.accepted
     assert swarm.stop(worker) == 0
     assert json.loads(stats.read_text())["engine"]["forwards"] == 1
+
+
+def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_comes(swarm, tmp_path):
+    """The breaks a hostile peer found: huge finite gradients made the weights NaN and the node leave
+    the swarm; a duplicate microbatch id stopped its optimizer for good; a backward could name another
+    origin. Now: huge values are refused at the wire, the id is taken once, only the hop after ours
+    (here the data node that sent it) may send the gradient or abandon the microbatch, and the worker
+    steps once that data node closes its step."""
+    bootstrap, worker, stats = start_worker(swarm, tmp_path)
+
+    async def scenario():
+        origin, stranger, home = await client(worker), await client(worker), Home()
+        await serve(origin.p2p, home)
+        try:
+            x = torch.randn(2, 8, MODEL.d_model)
+            mb = "data-0.0-5f1c2a9e"
+            assert (await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)).accepted
+            again = await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
+            assert again.accepted  # taken as a retried stream: the saved graph is not overwritten
+            spoofed = await send(
+                stranger, worker.peer_id, "rpc_forward", forward(stranger, worker, "x", origin=origin.peer_id), x
+            )
+            assert not spoofed.accepted and "hop before" in spoofed.reason
+            for _ in range(100):
+                if home.arrived:
+                    break
+                await asyncio.sleep(0.1)
+            assert home.arrived == 1
+
+            huge = torch.full((2, 8, MODEL.d_model), 3e38)
+            with pytest.raises(RemoteError, match="beyond"):
+                await send(origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), huge)
+            grad = torch.randn(2, 8, MODEL.d_model)
+            foreign_origin = await send(
+                stranger, worker.peer_id, "rpc_backward", backward(worker, mb, stranger.peer_id), grad
+            )
+            assert not foreign_origin.accepted and "another data node" in foreign_origin.reason
+            foreign_sender = await send(
+                stranger, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), grad
+            )
+            assert not foreign_sender.accepted and "hop after ours" in foreign_sender.reason
+            notice = AbandonNotice(microbatch_id=mb, reason="forged\nWARNING all lost")
+            assert not (await call(stranger.p2p, worker.peer_id, "rpc_abandon", notice, Ack)).accepted
+
+            large = torch.full((2, 8, MODEL.d_model), 6e4)  # within the wire bound: clipped, not refused
+            assert (
+                await send(origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), large)
+            ).accepted
+            close = StepClose(step=0, completed=1, abandoned=0)
+            assert (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted
+            await asyncio.sleep(1.0)
+            y = torch.randn(2, 8, MODEL.d_model)  # the worker still serves, with finite weights
+            assert (await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, "after"), y)).accepted
+            for _ in range(100):
+                if home.arrived == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert home.arrived == 2
+        finally:
+            await origin.shutdown()
+            await stranger.shutdown()
+
+    asyncio.run(scenario())
+    listed = swarm.status(bootstrap.maddrs[0])  # its record (with the clipped norm) still passes the schema
+    assert any(n["peer_id"] == worker.peer_id for n in listed["nodes"]), listed
+    assert swarm.stop(worker) == 0
+    engine = json.loads(stats.read_text())["engine"]
+    assert engine["inner_steps"] == 1 and engine["steps_skipped"] == 0
+    assert engine["forwards"] == 2 and engine["backwards"] == 1
+    assert engine["refused"] >= 3
+    assert "forged\nWARNING" not in worker.log()
+
+
+def test_evaluation_floods_are_bounded_and_hostile_ids_never_reach_the_log(swarm, tmp_path):
+    _, worker, stats = start_worker(swarm, tmp_path, "--max-inflight", "4")
+
+    async def scenario():
+        dht = await client(worker)
+        try:
+            x = torch.randn(2, 8, MODEL.d_model)
+            requests = [forward(dht, worker, f"flood-{i}", needs_backward=False) for i in range(200)]
+            sent = (send(dht, worker.peer_id, "rpc_forward", r, x) for r in requests)
+            acks = await asyncio.gather(*sent, return_exceptions=True)  # some streams fail at libp2p's own limits
+            body = {"microbatch_id": "id\n2026-12-01 WARNING forged\x1b[31m", "origin": dht.peer_id, "step": 0,
+                    "hop": 0, "route": [{"stage": 1, "peer_id": worker.peer_id}], "needs_backward": False}  # fmt: skip
+            hostile = msgpack.packb({"v": PROTOCOL_VERSION, "t": "fwd", "b": body}, use_bin_type=True)
+            stream = await open_call(dht.p2p, worker.peer_id, "rpc_forward", timeout_s=10)
+            try:
+                await stream.write_frame(hostile)  # our own encoder would refuse to send it
+                with pytest.raises(RemoteError, match="malformed"):
+                    await read_reply(stream, Ack)
+            finally:
+                stream.close()
+            return acks
+        finally:
+            await dht.shutdown()
+
+    results = asyncio.run(scenario())
+    acks = [a for a in results if isinstance(a, Ack)]
+    taken = [a for a in acks if a.accepted]
+    assert len(acks) > 100 and all("busy" in a.reason for a in acks if not a.accepted)
+    assert len(taken) < len(acks)  # the flood met the in-flight bound
+    assert swarm.stop(worker) == 0
+    assert json.loads(stats.read_text())["engine"]["forwards"] == len(taken)
+    log = worker.log()
+    assert "\x1b" not in log and "\nWARNING forged" not in log and "2026-12-01 WARNING forged" not in log

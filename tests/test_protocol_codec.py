@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
 import typing
 from unittest import mock
 
@@ -82,7 +83,10 @@ def _value_strategy(tp: typing.Any, options: FieldOptions, top: bool = True) -> 
     if tp is float:
         return st.floats(allow_nan=options.allow_nonfinite, allow_infinity=options.allow_nonfinite)
     if tp is str:  # short strings keep the test fast; the length bounds have their own tests
-        return st.text(max_size=min(32, MAX_STR_LEN if max_len is None else max_len))
+        size = min(32, MAX_STR_LEN if max_len is None else max_len)
+        if options.token:
+            return st.text(alphabet=string.ascii_letters + string.digits + "._:#@-", max_size=size)
+        return st.text(max_size=size)
     if tp is bytes:
         return st.binary(max_size=64 if max_len is None else max_len)
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
@@ -170,8 +174,8 @@ def test_the_protocol_registers_its_messages() -> None:
 
 
 def test_golden_bytes_pin_the_wire_format() -> None:
-    # {"v": 4, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
-    expected = "83a17604a174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
+    # {"v": 5, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
+    expected = "83a17605a174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
     assert encode(PING).hex() == expected
     assert tag_of(Ping) == "ping"
 
@@ -209,7 +213,7 @@ def test_error_messages_are_one_bounded_line() -> None:
 
 
 def test_version_rule() -> None:
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     assert is_compatible(PROTOCOL_VERSION)
     assert not is_compatible(PROTOCOL_VERSION + 1)
     assert not is_compatible(True)
@@ -296,18 +300,18 @@ def test_a_tensor_header_with_a_bad_meta_is_refused_as_bad_tensor() -> None:
         (msgpack.packb({"t": "ping", "b": {}}), MalformedMessage),  # no version
         (msgpack.packb({"v": "1", "t": "ping", "b": {}}), MalformedMessage),
         (msgpack.packb({"v": True, "t": "ping", "b": {}}), MalformedMessage),  # True is not version 1
-        (msgpack.packb({"v": 5, "t": "ping", "b": {}}), UnsupportedVersion),
+        (msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": "ping", "b": {}}), UnsupportedVersion),
         (msgpack.packb({"v": 0, "t": "nope", "b": None}), UnsupportedVersion),  # version first
-        (msgpack.packb({"v": 4, "t": "ping"}), MalformedMessage),
-        (msgpack.packb({"v": 4, "t": "ping", "b": {}, "x": 0}), MalformedMessage),
-        (msgpack.packb({"v": 4, "t": b"ping", "b": {}}, use_bin_type=True), MalformedMessage),
-        (msgpack.packb({"v": 4, "t": "nope", "b": {}}), UnknownMessageType),
-        (msgpack.packb({"v": 4, "t": "ping", "b": None}), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping"}), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping", "b": {}, "x": 0}), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": b"ping", "b": {}}, use_bin_type=True), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "nope", "b": {}}), UnknownMessageType),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping", "b": None}), MalformedMessage),
         (_envelope("ping", {"sent_at": 1.0, "nonce": 1}) + b"\x00", MalformedMessage),  # trailing data
         (_envelope("ping", {"sent_at": 1.0, "nonce": 1})[:-1], MalformedMessage),  # truncated
         (b"\x81\x01\x01", MalformedMessage),  # int map key
-        (msgpack.packb({"v": 4, "t": "ping", "b": msgpack.ExtType(5, b"x")}), MalformedMessage),
-        (msgpack.packb({"v": 4, "t": "ping", "b": {"sent_at": msgpack.Timestamp(1)}}), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping", "b": msgpack.ExtType(5, b"x")}), MalformedMessage),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "ping", "b": {"sent_at": msgpack.Timestamp(1)}}), MalformedMessage),
         (b"\xc7\x00\x05", MalformedMessage),  # zero-length ext
         (b"\x91" * 5000 + b"\x01", MalformedMessage),  # deep nesting
         (b"\xdd\xff\xff\xff\xff", MalformedMessage),  # an array claiming 4 billion elements

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shoal.node.command import add_network_arguments
+from shoal.node.command import add_metrics_arguments, add_network_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish this run (signed) as the swarm's default, and keep republishing it",
     )
     parser.add_argument("--record-ttl", type=float, default=60.0, help="lifetime of the published run record")
+    add_metrics_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,14 +34,27 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--record-ttl must be between 3 and 3600 seconds")
 
     async def create() -> BootstrapPeer:
-        return await BootstrapPeer.create(
+        peer = await BootstrapPeer.create(
             args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers, run_config, args.record_ttl
         )
+        if args.metrics_port is not None:
+            from shoal.node.metrics import BootstrapCollector, MetricsServer, registry_for
+
+            try:
+                registry = registry_for(BootstrapCollector(peer))
+                who = peer.dht.peer_id[-8:]
+                peer.metrics = await MetricsServer.create(registry, args.metrics_host, args.metrics_port, who)
+            except BaseException:
+                await peer.shutdown()
+                raise
+        return peer
 
     async def announce(peer: BootstrapPeer) -> None:
         for maddr in await peer.maddrs():
             print(maddr, flush=True)
         if run_config is not None:
             print(f"publishing run {run_config.name}@{run_config.run_id}", file=sys.stderr, flush=True)
+        if peer.metrics is not None:
+            print(f"metrics on {peer.metrics.url}", file=sys.stderr, flush=True)
 
     return run_daemon(create, announce)

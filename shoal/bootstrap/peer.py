@@ -1,7 +1,8 @@
 """A bootstrap peer: joins (or starts) the DHT, optionally publishes the run config, republishes it.
 
 It holds no model and is not special: once others have joined through it, any peer can stand in
-for it, and the swarm keeps working when it is gone.
+for it, and the swarm keeps working when it is gone (every node of the run republishes the run
+record too, under the claim this peer made, so `--run NAME` still resolves).
 """
 
 from __future__ import annotations
@@ -9,10 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
+from shoal.dht.runs import collision_report
 from shoal.dht.swarm import SwarmDHT
+
+if TYPE_CHECKING:
+    from shoal.node.metrics import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +28,7 @@ class BootstrapPeer:
         self.dht, self.run, self.record_ttl_s = dht, run, record_ttl_s
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.metrics: MetricsServer | None = None  # set by `shoal bootstrap --metrics-port`
 
     @classmethod
     async def create(
@@ -37,13 +44,23 @@ class BootstrapPeer:
         peer = cls(dht, run, record_ttl_s)
         if run is not None:
             await peer._publish_run()
+            await peer._report_collisions()
             peer._tasks.append(asyncio.create_task(peer._republish(), name="republish-run"))
         return peer
 
     async def _publish_run(self) -> None:
         assert self.run is not None
         if not await self.dht.publish_run(self.run, self.record_ttl_s, as_default=True):
-            logger.warning("run config %s was not stored by any peer yet", self.run.run_id)
+            logger.warning("[%s] run config %s was not stored by any peer yet", self.dht.peer_id[-8:], self.run.run_id)
+
+    async def _report_collisions(self) -> None:
+        """Say at once when other runs share this run's name or the swarm's default: joiners take the
+        earliest claim (see shoal/dht/runs.py), which may not be this one."""
+        assert self.run is not None
+        for name in (self.run.name, None):
+            report = collision_report(await self.dht.read_runs(name), name)
+            if report:
+                logger.warning("[%s] %s", self.dht.peer_id[-8:], report)
 
     async def _republish(self) -> None:
         while not self._stop.is_set():
@@ -55,7 +72,7 @@ class BootstrapPeer:
             try:
                 await self._publish_run()
             except Exception:
-                logger.exception("republishing the run config failed")
+                logger.exception("[%s] republishing the run config failed", self.dht.peer_id[-8:])
 
     async def maddrs(self) -> list[str]:
         return await self.dht.visible_maddrs()
@@ -71,4 +88,6 @@ class BootstrapPeer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.metrics is not None:
+            await self.metrics.shutdown()
         await self.dht.shutdown()

@@ -24,6 +24,7 @@ from shoal.planning.swarm_view import (
 MAX_MADDRS = 16
 MAX_LINKS = 32
 MAX_RUN_TOML_BYTES = 16 * 1024
+MAX_KEY_CHARS = 1024  # an OpenSSH RSA key or a base64 signature of up to ~6000 bits
 
 
 class _Strict(pydantic.BaseModel):
@@ -32,7 +33,8 @@ class _Strict(pydantic.BaseModel):
         allow_mutation = False
 
 
-_finite = pydantic.confloat(strict=True, ge=0.0, le=1e12)
+MAX_RECORD_NUMBER = 1e12  # measurements in a record (throughput, loss, norms) stay within this
+_finite = pydantic.confloat(strict=True, ge=0.0, le=MAX_RECORD_NUMBER)
 _id = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._@:-]+$")
 
 
@@ -90,7 +92,11 @@ class RunRecord(_Strict):
     name: _id  # type: ignore[valid-type]
     run_id: _id  # type: ignore[valid-type]
     toml: pydantic.constr(strict=True, max_length=MAX_RUN_TOML_BYTES)  # type: ignore[valid-type]
+    # the claim (runs.py): when and by which key the run was published, signed by that key; any
+    # holder of the run republishes the record unchanged under its own subkey
     published_at: _finite  # type: ignore[valid-type]
+    publisher_key: pydantic.constr(strict=True, max_length=MAX_KEY_CHARS, regex=r"^ssh-rsa [A-Za-z0-9+/]+=*$")  # type: ignore[valid-type]
+    claim_signature: pydantic.constr(strict=True, max_length=MAX_KEY_CHARS, regex=r"^[A-Za-z0-9+/]+=*$")  # type: ignore[valid-type]
 
 
 def check_exact(model: type[_Strict], value: Any) -> _Strict:

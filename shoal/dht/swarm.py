@@ -1,12 +1,17 @@
 """One peer's handle on the swarm: its libp2p host, its DHT node and its signing identity.
 
 hivemind's `DHTNode` runs inside our event loop on our `P2P` (no forked DHT process, no pipe hops).
+The libp2p host runs on the identity's key, the same key that signs this peer's records, so the
+peer id in every record it publishes is checkably its own (see identity.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from hivemind.dht import DHTNode
@@ -16,10 +21,11 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig, parse_run_config
-from shoal.dht.identity import Identity
+from shoal.dht.identity import Identity, peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, nodes_key, run_key
 from shoal.dht.records import NodeRecord, RunRecord, check_exact, node_info
-from shoal.dht.validator import ShoalRecordValidator
+from shoal.dht.runs import PublishedRun, rank_runs, run_record, verify_claim
+from shoal.dht.validator import ShoalRecordValidator, owner_key
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
 from shoal.planning.swarm_view import SwarmView
@@ -29,11 +35,35 @@ logger = logging.getLogger(__name__)
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
+@asynccontextmanager
+async def _key_file(identity: Identity) -> AsyncIterator[str]:
+    """The identity file for the libp2p daemon; an ephemeral key lives in a private file only while
+    the daemon starts (it reads the key once, at start)."""
+    if identity.path is not None:
+        yield identity.path
+        return
+    with tempfile.TemporaryDirectory(prefix="shoal-id-") as folder:
+        path = os.path.join(folder, "identity")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.libp2p_key())
+        yield path
+
+
+def peer_id_of_subkey(subkey: object) -> str:
+    """The peer whose key owns a subkey `[owner:<key>]` as the DHT returns it."""
+    if not isinstance(subkey, bytes):
+        raise ValueError("subkey is not an owner key")
+    return peer_id_of(owner_key(subkey))
+
+
 class SwarmDHT:
     def __init__(self, p2p: P2P, node: DHTNode, identity: Identity):
         self.p2p, self.node, self.identity = p2p, node, identity
         self.owner_subkey = RSASignatureValidator(identity.signing_key).local_public_key
         self._last_expiration: dict[str, float] = {}
+        self._claims: dict[str, dict[str, Any]] = {}  # run id -> the claim this peer made, made once
+        self._seen: dict[str, tuple[PublishedRun, bool]] = {}  # run id -> its first claim, seen as default?
 
     @classmethod
     async def create(
@@ -46,15 +76,17 @@ class SwarmDHT:
         startup_timeout_s: float = 30.0,
     ) -> SwarmDHT:
         try:
-            p2p = await P2P.create(
-                initial_peers=list(initial_peers) or None,
-                host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) or None,
-                identity_path=identity.p2p_key_path,
-                dht_mode="client" if client_mode else "server",
-                nat_port_map=False,  # no UPnP multicast onto the local network
-                startup_timeout=startup_timeout_s,
-            )
+            async with _key_file(identity) as key_path:
+                p2p = await P2P.create(
+                    initial_peers=list(initial_peers) or None,
+                    host_maddrs=list(host_maddrs),
+                    announce_maddrs=list(announce_maddrs) or None,
+                    identity_path=key_path,
+                    check_if_identity_free=not identity.created,  # a key made just now is nobody else's
+                    dht_mode="client" if client_mode else "server",
+                    nat_port_map=False,  # no UPnP multicast onto the local network
+                    startup_timeout=startup_timeout_s,
+                )
         except Exception as e:
             if initial_peers and "bootstrap" in str(e):
                 raise UsageError(f"none of the --initial-peers answered ({', '.join(initial_peers)})") from e
@@ -73,6 +105,10 @@ class SwarmDHT:
         except Exception as e:
             await p2p.shutdown()
             raise UsageError(f"could not join the swarm through {', '.join(initial_peers)}: {e}") from e
+        if p2p.peer_id.to_base58() != identity.peer_id:  # records would name a peer their key does not own
+            await node.shutdown()
+            await p2p.shutdown()
+            raise AssertionError(f"libp2p runs as {p2p.peer_id}, not as the identity's key {identity.peer_id}")
         return cls(p2p, node, identity)
 
     @property
@@ -96,35 +132,56 @@ class SwarmDHT:
         return await self._store(nodes_key(record["run_id"]), record, ttl_s)
 
     async def publish_run(self, config: RunConfig, ttl_s: float, as_default: bool) -> bool:
-        record = {
-            "kind": "run",
-            "name": config.name,
-            "run_id": config.run_id,
-            "toml": config.to_toml(),
-            "published_at": float(get_dht_time()),
-        }
+        """Claim `config` under its name with this peer's key (once: later calls renew the same claim)."""
+        record = self._claims.get(config.run_id)
+        if record is None:
+            record = self._claims[config.run_id] = run_record(config, self.identity.signing_key, get_dht_time())
         check_exact(RunRecord, record)
-        stored = await self._store(run_key(config.name), record, ttl_s)
+        return await self._store_run(record, ttl_s, as_default)
+
+    async def _store_run(self, record: dict[str, Any], ttl_s: float, as_default: bool) -> bool:
+        stored = await self._store(run_key(record["name"]), record, ttl_s)
         if as_default:
             stored = await self._store(DEFAULT_RUN_KEY, record, ttl_s) and stored
         return stored
 
-    async def read_runs(self, name: str | None) -> list[RunConfig]:
-        """Every distinct valid config published under a run name (or as the swarm's default)."""
+    async def republish_run(self, run_id: str, ttl_s: float) -> bool:
+        """Keep a run this peer has read alive under this peer's own subkey (the publisher's claim
+        unchanged), so that `--run NAME` resolves while any node of the run lives. Renewed at most
+        once per half TTL; False when this peer has seen no claim for the run."""
+        seen = self._seen.get(run_id)
+        if seen is None:
+            return False
+        run, as_default = seen
+        if self._last_expiration.get(run_key(run.config.name), 0.0) - get_dht_time() > ttl_s / 2:
+            return True
+        return await self._store_run(run.record, ttl_s, as_default)
+
+    async def read_runs(self, name: str | None) -> list[PublishedRun]:
+        """Every distinct valid run published under a name (or as the swarm's default), first claim
+        first: the order every reader agrees on (runs.py). Remembers them for `republish_run`."""
         found = await self.node.get(run_key(name) if name else DEFAULT_RUN_KEY, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        configs: dict[str, RunConfig] = {}
-        for entry in found.value.values():
+        now = get_dht_time()
+        published: list[PublishedRun] = []
+        for subkey, entry in found.value.items():
             try:
                 record = check_exact(RunRecord, entry.value)
                 config = parse_run_config(record.toml)
+                publisher = verify_claim(entry.value)
+                holder = peer_id_of_subkey(subkey)
             except Exception as e:
                 logger.warning("ignoring an invalid run record: %s", e)
                 continue
-            if config.run_id == record.run_id:
-                configs[config.run_id] = config
-        return list(configs.values())
+            if config.run_id == record.run_id and entry.expiration_time > now:
+                published.append(PublishedRun(config, publisher, record.published_at, (holder,), entry.value))
+        ranked = rank_runs(published)
+        for run in ranked:
+            old = self._seen.get(run.config.run_id)
+            first = run if old is None or run.precedence() < old[0].precedence() else old[0]
+            self._seen[run.config.run_id] = (first, name is None or (old is not None and old[1]))
+        return ranked
 
     async def read_view(self, run: RunConfig) -> SwarmView:
         found = await self.node.get(nodes_key(run.run_id), latest=True)

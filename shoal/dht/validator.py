@@ -6,25 +6,39 @@ It runs after hivemind's RSASignatureValidator (which checks that a value stored
   - the record sits under the key its content names (a node record of run R under R's nodes key,
     a run config under its own name), so nobody can plant records under someone else's key name;
   - a run config's `run_id` is the hash of the config it carries, and the config itself is valid;
-  - the subkey carries an owner key, so every shoal value is signed.
+  - the subkey carries an owner key, so every shoal value is signed;
+  - a node record names the peer that signed it: its `peer_id` is the libp2p peer id of the owner
+    key (one key is both, see identity.py), so nobody can announce a record for another peer;
+  - a run record carries a valid claim by its publisher's key (runs.py), whoever republishes it.
 Anything else is refused: this DHT holds shoal records only.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from shoal.config import ConfigError, parse_run_config
+from shoal.dht.identity import peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, key_id, nodes_key, run_key
 from shoal.dht.records import NodeRecord, RunRecord, check_exact
+from shoal.dht.runs import verify_claim
 
 logger = logging.getLogger(__name__)
 
-_OWNER_MARKER = RSASignatureValidator.PUBLIC_KEY_FORMAT.split(b"_key_")[0]
+_OWNER_KEY = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)  # the pattern the signature check reads
+
+
+def owner_key(subkey: bytes | None) -> bytes:
+    """The one owner public key in a (serialized) subkey: the key whose signature hivemind checked."""
+    keys = set(_OWNER_KEY.findall(subkey or b""))
+    if len(keys) != 1:
+        raise ValueError("record has no single owner subkey")
+    return keys.pop()
 
 
 class ShoalRecordValidator(RecordValidatorBase):
@@ -37,14 +51,16 @@ class ShoalRecordValidator(RecordValidatorBase):
         return True
 
     def _check(self, record: DHTRecord) -> None:
-        if not record.subkey or _OWNER_MARKER not in record.subkey:
-            raise ValueError("record has no owner subkey")
+        owner = owner_key(record.subkey)
         value = MSGPackSerializer.loads(record.value)
         kind = value.get("kind") if isinstance(value, dict) else None
         if kind == "node":
             node = check_exact(NodeRecord, value)
             if record.key != key_id(nodes_key(node.run_id)):
                 raise ValueError(f"node record of run {node.run_id} under a foreign key")
+            signer = peer_id_of(owner)
+            if node.peer_id != signer:
+                raise ValueError(f"node record names peer {node.peer_id} but is signed by peer {signer}")
         elif kind == "run":
             run = check_exact(RunRecord, value)
             if record.key not in (key_id(run_key(run.name)), key_id(DEFAULT_RUN_KEY)):
@@ -55,6 +71,7 @@ class ShoalRecordValidator(RecordValidatorBase):
                 raise ValueError(f"invalid run config: {e}") from None
             if config.run_id != run.run_id or config.name != run.name:
                 raise ValueError(f"run config does not hash to its run id {run.run_id}")
+            verify_claim(value)
         else:
             raise ValueError(f"not a shoal record (kind={kind!r})")
 

@@ -66,6 +66,7 @@ class NoLoCoAverager:
         self.refused = 0
         self.exchange_s: list[float] = []  # wall time of each pair exchange (offer ready -> partner's tensors in)
         self.distances: list[tuple[int, float]] = []  # (inner step, ‖θ − θ_partner‖ just before averaging)
+        self.stepping = False  # an outer step is under way
 
     def due(self, closed_step: int) -> int | None:
         """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
@@ -80,6 +81,13 @@ class NoLoCoAverager:
 
     async def outer_step(self, epoch: int) -> None:
         """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
+        self.stepping = True  # a saved snapshot (state_keeper.py) must not take new φ with old θ
+        try:
+            await self._outer_step(epoch)
+        finally:
+            self.stepping = False
+
+    async def _outer_step(self, epoch: int) -> None:
         worker = self.worker
         delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
         loop = asyncio.get_running_loop()

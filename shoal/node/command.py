@@ -41,6 +41,39 @@ def add_network_arguments(parser: argparse.ArgumentParser, with_identity: bool =
         )
 
 
+def add_state_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="keep this node's identity, weights, optimizer state and counters here, and resume from them "
+        "after a restart (created on first use)",
+    )
+    parser.add_argument(
+        "--save-every-s",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --state-dir: save this often, and at shutdown (default: 60; a killed node loses at most that)",
+    )
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="where the metrics endpoint listens (default: loopback only; 0.0.0.0 for every interface)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_network_arguments(parser)
     parser.add_argument("--run", default=None, metavar="NAME[@RUN_ID]", help="join this run published in the swarm")
@@ -90,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--progress-file", default=None, metavar="PATH", help="data nodes append a JSON line per training step here"
     )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
+    add_state_arguments(parser)
+    add_metrics_arguments(parser)
     policy = parser.add_argument_group("GRPO rollout workers: this node's policy (declared in its record)")
     policy.add_argument("--policy-width", type=int, default=48, help="model width d")
     policy.add_argument("--policy-depth", type=int, default=2, help="decoder blocks")
@@ -135,6 +170,8 @@ def node_config(args: argparse.Namespace):
     return NodeConfig(
         initial_peers=tuple(args.initial_peers),
         identity=args.identity,
+        state_dir=args.state_dir,
+        save_every_s=args.save_every_s,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
         run_name=args.run,
@@ -151,6 +188,8 @@ def node_config(args: argparse.Namespace):
         ready_file=args.ready_file,
         progress_file=args.progress_file,
         stats_file=args.stats_file,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         stage=args.stage,
         routing=args.routing,
         paths=args.paths,
@@ -182,5 +221,7 @@ def run(args: argparse.Namespace) -> int:
         where = f"policy {node.engine.model_id}" if node.role == "rollout" else f"stage {node.stage}"
         run = f"{node.run.name}@{node.run.run_id}"
         print(f"node {node.peer_id} active: {node.role} on {where} of run {run}", flush=True)
+        if node.metrics is not None:
+            print(f"metrics on {node.metrics.url}", flush=True)
 
     return run_daemon(lambda: Node.create(config), announce)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.config import ConfigError
 
@@ -13,6 +14,8 @@ ROLES = ("auto", "data", "worker", "rollout")
 class NodeConfig:
     initial_peers: tuple[str, ...] = ()
     identity: str | None = None  # path of the identity file; None = a fresh identity each start
+    state_dir: str | None = None  # identity, weights, optimizer state and counters across restarts
+    save_every_s: float = 60.0  # how often a node with a state dir saves (and a kill loses at most)
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     run_name: str | None = None  # read this run's config from the DHT
@@ -36,6 +39,8 @@ class NodeConfig:
     ready_file: str | None = None
     progress_file: str | None = None  # data nodes append one JSON line per step here
     stats_file: str | None = None  # written at shutdown: counters, traffic, memory
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port; None: off)
+    metrics_host: str = "127.0.0.1"
     # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step
     # before passing them upstream, so that a kill can land while a hop waits for its gradient
     inject_upstream_delay: tuple[int, float] | None = None
@@ -95,8 +100,21 @@ class NodeConfig:
                 raise ConfigError("--experiment-adversary", "needs --role rollout")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
+        if not 0.1 <= self.save_every_s <= 86400:
+            raise ConfigError("--save-every-s", f"must be between 0.1 and 86400 seconds, got {self.save_every_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("--metrics-port", f"must be a TCP port (0: any free one), got {self.metrics_port}")
 
     @property
     def heartbeat_s(self) -> float:
         """Re-announce at a third of the record's lifetime, so two lost heartbeats do not expire it."""
         return self.record_ttl_s / 3
+
+    @property
+    def identity_file(self) -> str | None:
+        """--identity, else the identity kept in --state-dir, else None (a fresh identity)."""
+        if self.identity is None and self.state_dir is not None:
+            from shoal.node.state_dir import IDENTITY
+
+            return str(Path(self.state_dir) / IDENTITY)
+        return self.identity

@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import resource
 import time
+from collections import Counter
 from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig, load_run_config
 from shoal.dht.identity import load_identity
+from shoal.dht.records import MAX_RECORD_NUMBER
+from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
@@ -28,9 +32,12 @@ from shoal.node.config import NodeConfig
 from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
 from shoal.node.links import LinkMonitor
+from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.pipeline_service import PipelineService
+from shoal.node.restarts import RestartWatch, forget_restarted
 from shoal.node.rollout import RolloutService, RolloutWorker
 from shoal.node.stage_repair import repair_stage, stage_was_lost
+from shoal.node.state_keeper import StateKeeper
 from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
 from shoal.planning.assignment import Candidate
@@ -70,24 +77,25 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
     """The run to join: a file, a name published in the swarm, the swarm's default, or the bundled one."""
     if config.run_config_path:
         run = load_run_config(config.run_config_path)
+        await dht.read_runs(run.name)  # learn the run's claim, if published, to keep it alive (republish_run)
     else:
         name, _, pinned = (config.run_name or "").partition("@")
-        configs: list[RunConfig] = []
+        published: list[PublishedRun] = []
         for attempt in range(RUN_LOOKUP_ATTEMPTS):
-            configs = [c for c in await dht.read_runs(name or None) if c.run_id.startswith(pinned)]
-            if configs or not name:
+            published = [p for p in await dht.read_runs(name or None) if p.config.run_id.startswith(pinned)]
+            if published or not name:
                 break
             await asyncio.sleep(0.5 * (attempt + 1))
-        if len(configs) > 1:
-            ids = ", ".join(f"{c.name}@{c.run_id}" for c in configs)
-            raise UsageError(f"several runs are published under that name ({ids}); pass --run NAME@RUN_ID")
-        if configs:
-            run = configs[0]
+        report = collision_report(published, name or None)  # several runs under one name: the first claim
+        if report:
+            logger.warning("[%s] %s", dht.peer_id[-8:], report)
+        if published:
+            run = published[0].config
         elif name:
             raise UsageError(f"no run named {config.run_name!r} is published in this swarm")
         else:
             run = load_run_config("tiny")
-            logger.info("the swarm publishes no default run; using the bundled %r", run.name)
+            logger.info("[%s] the swarm publishes no default run; using the bundled %r", dht.peer_id[-8:], run.name)
     if config.data_path:
         run = run.replace({"data.path": config.data_path})
     return run
@@ -106,6 +114,13 @@ def routing_policy(config: NodeConfig, run: RunConfig) -> str:
     if config.routing != "auto":
         return config.routing
     return "random" if run.averaging.mode == "noloco" else "gwtf"
+
+
+def published_number(value: float | None, cap: float = MAX_RECORD_NUMBER) -> float | None:
+    """A measurement as a record may carry it: None when unknown or not finite, capped at `cap`."""
+    if value is None or not math.isfinite(value):
+        return None
+    return min(max(float(value), 0.0), cap)
 
 
 class Node:
@@ -132,14 +147,22 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self._handlers: list[str] = []
         self._maddrs: list[str] = []
+        self.keeper: StateKeeper | None = None  # --state-dir: saves this node's state, resumes from it
+        self.restarts = RestartWatch()
+        self.errors: Counter[str] = Counter()  # by kind, for the metrics (see metrics.ERROR_KINDS)
+        self.metrics: MetricsServer | None = None
 
     @classmethod
     async def create(cls, config: NodeConfig) -> Node:
-        identity = load_identity(config.identity)
+        keeper = StateKeeper.open(config.state_dir, config.save_every_s) if config.state_dir else None
+        identity = load_identity(config.identity_file)
         dht = await SwarmDHT.create(identity, config.initial_peers, config.host_maddrs, config.announce_maddrs)
+        metrics: MetricsServer | None = None
         try:
             run = await resolve_run(dht, config)
-            logger.info("run %s (%s): %s", run.name, run.run_id, run.to_json())
+            logger.info("[%s] run %s (%s): %s", dht.peer_id[-8:], run.name, run.run_id, run.to_json())
+            if keeper is not None:
+                keeper.load(run, dht.peer_id)  # a corrupt or foreign state is refused before anything starts
             if (config.role == "rollout") != (run.mode == "grpo") and config.role != "auto":
                 raise UsageError(f"--role {config.role}: run {run.name} is a {run.mode} run")
             throughput = (
@@ -148,8 +171,12 @@ class Node:
                 else await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
             )
             node = cls(config, dht, run, throughput)
+            node.keeper = keeper
+            node.metrics = metrics = await serve_node_metrics(node)
             await node._start()
         except BaseException:
+            if metrics is not None:
+                await metrics.shutdown()
             await dht.shutdown()
             raise
         return node
@@ -194,6 +221,9 @@ class Node:
         )
 
     def record(self) -> dict:
+        """This node's DHT record. Numbers that went non-finite or huge (a diverged loss, a poisoned
+        gradient norm) are published as unknown or capped: a record that fails the schema would expire
+        and silently take the node out of the swarm."""
         return {
             "kind": "node",
             "run_id": self.run.run_id,
@@ -206,15 +236,15 @@ class Node:
             "max_inflight": int(self.max_inflight),
             "inner_step": int(self.inner_step),
             "outer_epoch": int(self.outer_epoch),
-            "loss": None if self.loss is None else float(self.loss),
-            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "grad_norm_clipped": None if self.grad_norm_clipped is None else float(self.grad_norm_clipped),
+            "loss": published_number(self.loss),
+            "grad_norm": published_number(self.grad_norm),
+            "grad_norm_clipped": published_number(self.grad_norm_clipped),
             "protocol_version": PROTOCOL_VERSION,
             "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
             "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
             "links": self.links.advertised(),
-            "replica_distance": None if self.replica_distance is None else float(self.replica_distance),
+            "replica_distance": published_number(self.replica_distance),
             "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
             "repair": self.repair,
             "model_id": getattr(self.engine, "model_id", None),
@@ -224,6 +254,7 @@ class Node:
         stored = await self.dht.publish_node(self.record(), self.config.record_ttl_s)
         if not stored:
             logger.warning("[%s] node record was not stored by any peer", self.short_id)
+        await self.dht.republish_run(self.run.run_id, self.config.record_ttl_s)  # the run outlives its publisher
         return stored
 
     def _set_stage(self, stage: int) -> None:
@@ -236,12 +267,13 @@ class Node:
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
         for service in (HealthService(self), PipelineService(self), RolloutService(self)):
-            self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s)
+            self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s, self.errors, self.short_id)
         if self.role == ROLE_ROLLOUT:
             await self._start_rollouts()
             return
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
         self.view = await self.answering_view()
+        self.stage = self.keeper.saved_stage if self.keeper is not None else None  # resume there if still needed
         self._set_stage(self.choose_stage())
         for _ in range(SETTLE_ROUNDS):
             await self.publish()
@@ -256,6 +288,8 @@ class Node:
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
+        if self.keeper is not None:
+            self._tasks.append(asyncio.create_task(self.keeper.run(self), name="save state"))
         if self.stage == 0:
             self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
         self._write_ready_file()
@@ -298,9 +332,17 @@ class Node:
     def observe_view(self, view: SwarmView) -> SwarmView:
         """Take a fresh view: routing re-plans over it and the links measured so far."""
         self.view = view
+        self._note_restarts(view)
         links = {**view.measured_links(), **self.links.measured()}
         self.router.update(Snapshot(view, self.peer_id, links))
         return view
+
+    def _note_restarts(self, view: SwarmView) -> None:
+        """Peers back under the same peer id lost what they held: act on it as if they had left."""
+        restarted = self.restarts.restarted(view)
+        if restarted and self.engine is not None:
+            logger.info("[%s] peer(s) restarted: %s", self.short_id, sorted(p[-8:] for p in restarted))
+            forget_restarted(self.engine, restarted, {n.peer_id for n in view.live_nodes()})
 
     async def refresh_view(self) -> SwarmView:
         return self.observe_view(await self.dht.read_view(self.run))
@@ -326,10 +368,12 @@ class Node:
             driver = DataDriver(self, self.config.data_shard, self.config.data_shards, self.config.progress_file)
             await driver.prepare()
             self.engine = driver
+            await self._resume(driver)
         else:
             worker = StageWorker(self, self.stage)
             self.engine = worker
-            source = await worker.join_by_copy()  # before we announce ourselves active
+            resumed = await self._resume(worker)  # whose weights: our own saved ones, or a replica's copied
+            source = self.peer_id if resumed else await worker.join_by_copy()  # before we announce ourselves active
             if source is None and stage_was_lost(worker):
                 await repair_stage(worker)
             elif source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
@@ -337,11 +381,17 @@ class Node:
                                self.short_id, self.stage)  # fmt: skip
             await worker.start_averaging()
 
+    async def _resume(self, engine: StageWorker | DataDriver) -> bool:
+        """--state-dir: take this node's saved state for its stage (or a live replica's, if that
+        trained further); whether the engine now holds trained weights from either."""
+        return self.keeper is not None and await self.keeper.resume(self, engine)
+
     async def _train(self, driver: DataDriver | RolloutWorker) -> None:
         try:
             await driver.train()
             logger.info("[%s] training done: %s", self.short_id, driver.summary)
         except Exception:
+            self.errors["training"] += 1
             logger.exception("[%s] training failed", self.short_id)
             raise
 
@@ -365,6 +415,7 @@ class Node:
                     "role": self.role,
                     "run_id": self.run.run_id,
                     "pid": os.getpid(),
+                    "metrics_port": self.metrics.port if self.metrics is not None else None,
                 }
             )
         )
@@ -391,6 +442,7 @@ class Node:
                     self._write_ready_file()  # launchers read a node's stage from it
                 await self.publish()
             except Exception:
+                self.errors["heartbeat"] += 1
                 logger.exception("[%s] heartbeat failed", self.short_id)
 
     def can_move(self) -> bool:
@@ -450,11 +502,15 @@ class Node:
             self._write_stats_file()
         except Exception:
             logger.exception("[%s] could not write the stats file", self.short_id)
+        if self.keeper is not None:
+            await self.keeper.close(self)  # the last save, after the drain: nothing is in flight any more
         if self.engine is not None:
             await self.engine.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await unserve(self.dht.p2p, self._handlers)
+        if self.metrics is not None:
+            await self.metrics.shutdown()
         await self.dht.shutdown()
         logger.info("[%s] left after %.1f s", self.short_id, time.monotonic() - started)

@@ -11,12 +11,14 @@ import asyncio
 import json
 import logging
 import random
+import secrets
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD
@@ -36,7 +38,6 @@ from shoal.protocol.pipeline import (
     StepClose,
     check_hop,
 )
-from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
 from shoal.train.repair import swapped_order
 
@@ -55,6 +56,7 @@ class InFlight:
     done: asyncio.Future  # resolves to an Outcome
     loss: float | None = None
     route_peers: tuple[str, ...] = ()
+    route_stages: tuple[int, ...] = ()
     home: bool = False  # the activation came home: backward is under way
     backward: BackwardRequest | None = None  # what we sent the last hop, kept until the microbatch is over
     grad: torch.Tensor | None = None
@@ -106,8 +108,10 @@ class DataDriver(PipelineEngine):
         self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
         self._last_wait_report = 0.0
         self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
+        self.refused = 0  # requests a peer was not entitled to send
         self.repairs_seen: set[tuple[str, float]] = set()
         self.current_step = 0
+        self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
 
     movable = False  # a data node keeps its shard, embedding and head
 
@@ -154,7 +158,7 @@ class DataDriver(PipelineEngine):
         started = time.monotonic()
         self._progress({"event": "start", "peer_id": self.node.peer_id, "run_id": self.run.run_id})
         self.spawn(self._watch_stages(), "watch stages")
-        for step in range(self.run.train.steps):
+        for step in range(self.first_step, self.run.train.steps):
             self.current_step = step
             result = await self.train_step(step)
             self.history.append(result)
@@ -204,8 +208,12 @@ class DataDriver(PipelineEngine):
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         stats = await self.compute(self.optimizer.step)
         await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
-        self.node.inner_step, self.node.grad_norm = self.optimizer.step_count, stats.grad_norm
-        self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
+        self.node.inner_step = self.optimizer.step_count
+        if stats.skipped:
+            logger.warning("[%s] step %d skipped: gradient norm %s", self.node.short_id, step, stats.grad_norm)
+        else:
+            self.node.grad_norm = stats.grad_norm
+            self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
         tokens_per_microbatch = inputs.numel() // n_micro
         return StepResult(
             step=step,
@@ -372,10 +380,11 @@ class DataDriver(PipelineEngine):
         routed: Routed,
         train: bool,
     ) -> tuple[Outcome, InFlight]:
-        wire_id = f"{base_id}#{attempt}"
+        wire_id = f"{base_id}#{attempt}.{secrets.token_hex(16)}"  # 128 random bits: nobody off the route can name it
         route = routed.hops
         done = asyncio.get_running_loop().create_future()
-        entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=tuple(p for _, p in route))
+        peers, stages = tuple(p for _, p in route), tuple(s for s, _ in route)
+        entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=peers, route_stages=stages)
         self.in_flight[wire_id] = entry
         self.load.update(entry.route_peers)
         if train:
@@ -434,7 +443,7 @@ class DataDriver(PipelineEngine):
 
     # ---- RPC handlers: an activation coming home, a gradient reaching the embedding ------------
 
-    async def on_forward(self, request: ForwardRequest, stream: FramedStream) -> Ack:
+    async def on_forward(self, request: ForwardRequest, stream: FramedStream, sender: str) -> Ack:
         check_hop(request)
         x = await self.read_activation(stream)
         entry = self.in_flight.get(request.microbatch_id)
@@ -442,6 +451,8 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
+        if not request.route or not self._speaks_for_hop(entry, sender, request.route[-1]):
+            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the last hop"))
         if entry.home:
             return Ack(accepted=True)  # a retried stream: we already have it
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
@@ -496,15 +507,17 @@ class DataDriver(PipelineEngine):
         finally:
             entry.recovering -= 1
 
-    async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
+    async def on_backward(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:
         check_hop(request)
         entry = self.in_flight.get(request.microbatch_id)
-        spec = TensorSpec(self.wire_dtype, tuple(entry.embedded.shape)) if entry else self.activation_spec
+        spec = replace(self.activation_spec, shape=tuple(entry.embedded.shape)) if entry else self.activation_spec
         grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
         if request.hop != -1 or request.origin != self.node.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None or not entry.home:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
+        if not request.route or not self._speaks_for_hop(entry, sender, request.route[0]):
+            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the first hop"))
         if entry.done.done() or entry.embedding_grad:
             return Ack(accepted=True)  # a retried stream
         entry.embedding_grad = True
@@ -572,19 +585,38 @@ class DataDriver(PipelineEngine):
     def _recovered(entry: InFlight) -> None:
         entry.recovering -= 1
 
+    def _speaks_for_hop(self, entry: InFlight, sender: str, hop: Hop) -> bool:
+        """`sender` is the peer that `hop` names, and it took part in this microbatch: it is on the
+        route we know, or a live replica of that hop's stage that redid it (a re-route or a recompute)."""
+        if sender != hop.peer_id:
+            return False
+        return sender in entry.route_peers or self._holds_stage(sender, hop.stage)
+
+    def _holds_stage(self, peer_id: str, stage: int) -> bool:
+        view = self.node.view
+        return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
+
+    def _refuse(self, sender: str, microbatch_id: str, why: str) -> str:
+        self.refused += 1
+        logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
+        return why
+
     def _holds_block_stage(self, peer_id: str) -> bool:
         """A live stage worker of this run (a hop may have been re-routed to it on the way)."""
         view = self.node.view
         return view is not None and any(n.peer_id == peer_id and n.stage > 0 for n in view.live_nodes())
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
+        """A hop of this microbatch (on its route, or a replica of one of its stages that redid a hop)
+        says it cannot go on. Its reason is a peer's text: made printable before we log or keep it."""
         entry = self.in_flight.get(notice.microbatch_id)
         if entry is None or entry.done.done():
             return Ack(accepted=False, reason="unknown microbatch")
-        if sender not in entry.route_peers and not self._holds_block_stage(sender):
-            return Ack(accepted=False, reason="only a hop of that microbatch may abandon it")
-        lost_for_good = entry.home or "stage_lost" in notice.reason
-        self._end(notice.microbatch_id, Outcome("abandoned" if lost_for_good else "resend", notice.reason))
+        if sender not in entry.route_peers and not any(self._holds_stage(sender, s) for s in entry.route_stages):
+            return Ack(accepted=False, reason=self._refuse(sender, notice.microbatch_id, "not a hop of it"))
+        reason = printable(notice.reason, 200)
+        lost_for_good = entry.home or "stage_lost" in reason
+        self._end(notice.microbatch_id, Outcome("abandoned" if lost_for_good else "resend", reason))
         return Ack(accepted=True)
 
     # ---- evaluation ----------------------------------------------------------------------------
@@ -603,4 +635,4 @@ class DataDriver(PipelineEngine):
         return sum(losses) / len(losses) if losses else None
 
     def stats(self) -> dict:
-        return {"steps": len(self.history), **self.ledger.summary(), **self.summary}
+        return {"steps": len(self.history), "refused": self.refused, **self.ledger.summary(), **self.summary}

@@ -58,6 +58,7 @@ class DiLoCoAverager:
         self.local_steps = 0
         self.group_sizes: list[int] = []
         self.exchange_s: list[float] = []
+        self.stepping = False  # an outer step is under way
 
     async def start(self) -> None:
         """Start this replica's averaging DHT and averager, joined to the other replicas' (blocking
@@ -117,6 +118,13 @@ class DiLoCoAverager:
         self.epoch = epoch
 
     async def outer_step(self, epoch: int) -> None:
+        self.stepping = True  # a saved snapshot (state_keeper.py) must not take new φ with old θ
+        try:
+            await self._outer_step(epoch)
+        finally:
+            self.stepping = False
+
+    async def _outer_step(self, epoch: int) -> None:
         worker = self.worker
         delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
         started = time.monotonic()
@@ -161,7 +169,7 @@ class DiLoCoAverager:
                 try:
                     part.shutdown()
                 except Exception as e:
-                    logger.debug("averaging shutdown: %r", e)
+                    logger.debug("[%s] averaging shutdown: %r", self.node.short_id, e)
 
     def stats(self) -> dict:
         return {

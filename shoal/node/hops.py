@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from shoal.logs import printable
 from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
 from shoal.protocol.errors import BadTensor
@@ -31,6 +32,9 @@ FAILED_PEER_BAN_S = 15.0  # like Petals: skip a peer that just failed us, then g
 SEND_RETRIES = 2  # a failed stream is retried on the same peer this many times before it counts
 RETRY_BACKOFF_S = 0.25
 STAGE_POLL_S = 0.5
+# Activations and gradients a peer sends are refused beyond this magnitude (float16's range, so the
+# bound is the same whatever the wire dtype): finite but huge values would overflow the first norm.
+WIRE_MAX_ABS = 65504.0
 
 
 class HopFailed(Exception):
@@ -66,7 +70,7 @@ class PipelineEngine:
         self.stream_retries = 0
         self.recomputes_delegated = 0
         m, t = self.run.model, self.run.train
-        self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model))
+        self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model), WIRE_MAX_ABS)
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
 
     async def compute(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
@@ -137,13 +141,13 @@ class PipelineEngine:
             sent = await stream.write_tensor(tensor, self.wire_dtype)
             ack = await read_reply(stream, Ack)
         except RemoteError as e:
-            raise HopFailed(f"{peer_id[-8:]} refused: {e}", refused=True) from None
+            raise HopFailed(f"{peer_id[-8:]} refused: {printable(str(e), 160)}", refused=True) from None
         except Exception as e:
             raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
         finally:
             stream.close()
-        if not ack.accepted:
-            raise HopFailed(f"{peer_id[-8:]} declined: {ack.reason}", refused=True)
+        if not ack.accepted:  # the peer's own words: made printable, since they may travel on
+            raise HopFailed(f"{peer_id[-8:]} declined: {printable(ack.reason, 160)}", refused=True)
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
         self.node.links.observe_send(peer_id, sent, time.monotonic() - started)
@@ -159,7 +163,7 @@ class PipelineEngine:
             await stream.write_message(OutputRequest(microbatch_id=microbatch_id, hop=hop))
             ack = await read_reply(stream, Ack)
             if not ack.accepted:
-                raise HopFailed(f"{peer_id[-8:]} has no output for it: {ack.reason}", refused=True)
+                raise HopFailed(f"{peer_id[-8:]} has no output for it: {printable(ack.reason, 160)}", refused=True)
             return await self.read_activation(stream)
         except RemoteError as e:
             raise HopFailed(f"{peer_id[-8:]} refused: {e}", refused=True) from None

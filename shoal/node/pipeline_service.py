@@ -37,17 +37,21 @@ class PipelineService:
 
     async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
         handler = self._handler("on_forward")
-        return Ack(accepted=False, reason="not ready") if handler is None else await handler(request, stream)
+        if handler is None:
+            return Ack(accepted=False, reason="not ready")
+        return await handler(request, stream, peer.to_base58())
 
     async def rpc_backward(self, request: BackwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
         handler = self._handler("on_backward")
-        return Ack(accepted=False, reason="not ready") if handler is None else await handler(request, stream)
+        if handler is None:
+            return Ack(accepted=False, reason="not ready")
+        return await handler(request, stream, peer.to_base58())
 
     async def rpc_recompute(self, request: RecomputeRequest, stream: FramedStream, peer: PeerID) -> Ack:
         handler = self._handler("on_recompute")
         if handler is None:
             return Ack(accepted=False, reason="this node redoes no block stage")
-        return await handler(request, stream)
+        return await handler(request, stream, peer.to_base58())
 
     async def rpc_fetch_output(self, request: OutputRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
         handler = self._handler("on_fetch_output")

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import logging
 import typing
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -105,12 +106,19 @@ def rpc_methods(service: object) -> dict[str, tuple[Handler, type]]:
     return methods
 
 
-async def serve(p2p: P2P, service: object, timeout_s: float = 30.0) -> list[str]:
-    """Register every `rpc_*` method of `service` as a libp2p stream handler `shoal.<method>`."""
+async def serve(
+    p2p: P2P, service: object, timeout_s: float = 30.0, errors: Counter[str] | None = None, who: str = ""
+) -> list[str]:
+    """Register every `rpc_*` method of `service` as a libp2p stream handler `shoal.<method>`.
+
+    Failed requests are counted by kind in `errors` (rpc_refused, rpc_stream_failed, rpc_internal);
+    `who` (the node's short peer id) prefixes their log lines."""
     names = []
+    errors = Counter() if errors is None else errors
     for name, (method, request_type) in rpc_methods(service).items():
         handler_name = HANDLER_PREFIX + name
-        await p2p.add_binary_stream_handler(handler_name, _dispatcher(name, method, request_type, timeout_s))
+        handler = _dispatcher(name, method, request_type, timeout_s, errors, who)
+        await p2p.add_binary_stream_handler(handler_name, handler)
         names.append(handler_name)
     return names
 
@@ -123,7 +131,7 @@ async def unserve(p2p: P2P, names: list[str]) -> None:
             logger.debug("could not remove handler %s: %s", name, e)
 
 
-def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float):
+def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float, errors: Counter[str], who: str):
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         stream = FramedStream(reader, writer, timeout_s)
         peer = stream_info.peer_id
@@ -133,13 +141,16 @@ def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float
             if reply is not None:
                 await stream.write_message(reply)
         except ProtocolError as e:
-            logger.warning("%s from %s refused: %s", name, peer, e)
+            errors["rpc_refused"] += 1
+            logger.warning("[%s] %s from %s refused: %s", who, name, peer, e)
             await _try_reply(stream, ErrorReply.from_error(e))
             await _discard_unread(stream)
         except (TimeoutError, ConnectionError) as e:
-            logger.info("%s from %s: stream failed (%s)", name, peer, type(e).__name__)
+            errors["rpc_stream_failed"] += 1
+            logger.info("[%s] %s from %s: stream failed (%s)", who, name, peer, type(e).__name__)
         except Exception as e:
-            logger.exception("%s from %s failed", name, peer)
+            errors["rpc_internal"] += 1
+            logger.exception("[%s] %s from %s failed", who, name, peer)
             await _try_reply(stream, ErrorReply(code="internal", message=f"{type(e).__name__}"[:200]))
         finally:
             stream.close()

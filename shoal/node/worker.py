@@ -41,7 +41,6 @@ from shoal.protocol.pipeline import (
     StepClose,
     check_hop,
 )
-from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +56,8 @@ class Saved:
     origin: str  # the data node that owns the microbatch (the only peer that may release it)
     hop: int  # this node's position in the microbatch's route
     step: int  # the data node's step it belongs to: once that step is closed, no gradient can come
+    next_stage: int | None  # the stage we passed the output to (None: the data node)
+    next_peer: str | None = None  # the peer that took it (set once it acknowledged)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class StageWorker(PipelineEngine):
         self.closed: set[str] = set()  # of those, the ones that have closed a step since
         self.forwards = 0
         self.backwards = 0
+        self.refused = 0  # requests a peer was not entitled to send
         self.recomputed = 0
         self.recompute_s = 0.0
         self.expired = 0
@@ -121,15 +123,19 @@ class StageWorker(PipelineEngine):
 
     # ---- forward ----------------------------------------------------------------------------------
 
-    async def on_forward(self, request: ForwardRequest, stream: FramedStream) -> Ack:
+    async def on_forward(self, request: ForwardRequest, stream: FramedStream, sender: str) -> Ack:
         refusal = self._check_mine(request)
+        previous = request.origin if request.hop == 0 else request.route[request.hop - 1].peer_id
+        if refusal is None and sender != previous:
+            refusal = self._refuse(sender, request.microbatch_id, "a forward comes only from the hop before ours")
         x = await self.read_activation(stream)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
         if mb in self.forwarding or mb in self.forwarded or mb in self.saved or mb in self.backward_done:
             return Ack(accepted=True)  # a retried stream (its ack was lost): we already ran it
-        if request.needs_backward and len(self.saved) + self.reserved >= self.node.max_inflight:
+        held = len(self.forwarding) + (len(self.saved) if request.needs_backward else 0)
+        if held >= self.node.max_inflight:  # evaluation forwards too: every kind of work has a bound
             return Ack(accepted=False, reason=f"busy: {self.node.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
         self.spawn(self._forward(request, x), f"forward {mb}")
@@ -150,7 +156,8 @@ class StageWorker(PipelineEngine):
         try:
             x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if request.needs_backward:
-                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step)
+                nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
+                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt)
             self.forwarded[mb] = self._expiry()
         finally:
             self.forwarding.discard(mb)
@@ -165,7 +172,10 @@ class StageWorker(PipelineEngine):
         )
         onward = self._choose_next_hop(onward)
         try:
-            await push_forward(self, onward, y.detach())
+            delivered = await push_forward(self, onward, y.detach())
+            if mb in self.saved:
+                home = delivered.hop == len(delivered.route)
+                self.saved[mb].next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
         except HopFailed as e:
             self._drop(mb)
             await self.notify_abandon(request.origin, mb, f"forward after stage {self.stage}: {e}")
@@ -197,21 +207,52 @@ class StageWorker(PipelineEngine):
 
     # ---- backward ---------------------------------------------------------------------------------
 
-    async def on_backward(self, request: BackwardRequest, stream: FramedStream) -> Ack:
+    async def on_backward(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:
         refusal = self._check_mine(request)
         saved = self.saved.get(request.microbatch_id)
-        spec = TensorSpec(self.wire_dtype, tuple(saved.y.shape)) if saved is not None else self.activation_spec
+        spec = self.activation_spec if saved is None else replace(self.activation_spec, shape=tuple(saved.y.shape))
         grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         if request.microbatch_id in self.backward_done:
             return Ack(accepted=True)  # a retried stream: already done
-        saved = self.saved.pop(request.microbatch_id, None)  # (it may have expired while we read)
+        saved = self.saved.get(request.microbatch_id)  # (it may have expired while we read)
         if saved is None:
             return Ack(accepted=False, reason="unknown or expired microbatch")
+        refusal = self._check_gradient_sender(request, saved, sender)
+        if refusal:
+            return Ack(accepted=False, reason=refusal)
+        del self.saved[request.microbatch_id]
         self.backward_done[request.microbatch_id] = self._expiry()
         self.spawn(self._backward(request, saved, grad), f"backward {request.microbatch_id}")
         return Ack(accepted=True)
+
+    def _check_gradient_sender(self, request: BackwardRequest, saved: Saved, sender: str) -> str | None:
+        """A gradient is taken only for the microbatch as we forwarded it, and only from the peer we
+        passed its output to, or from a live replica of that stage that redid the hop (a recompute)."""
+        mb = request.microbatch_id
+        if (request.origin, request.hop, request.step) != (saved.origin, saved.hop, saved.step):
+            return self._refuse(sender, mb, "a gradient names another data node, hop or step than its forward")
+        home = request.hop + 1 == len(request.route)
+        named = request.origin if home else request.route[request.hop + 1].peer_id
+        if sender != named:
+            return self._refuse(sender, mb, "a gradient comes only from the hop after ours")
+        if sender == saved.next_peer or (home and saved.next_stage is None):
+            return None
+        if saved.next_stage is not None and self._is_live_replica(sender, saved.next_stage):
+            return None  # the hop after ours was redone by another replica of its stage
+        return self._refuse(sender, mb, "a gradient from a peer that did not take our output")
+
+    def _refuse(self, sender: str, microbatch_id: str, why: str) -> str:
+        """Say (bounded: one line per refusal, peer strings escaped by the log formatter) that a peer
+        sent what it may not, and return the reason for its Ack."""
+        self.refused += 1
+        logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
+        return why
+
+    def _is_live_replica(self, peer_id: str, stage: int) -> bool:
+        view = self.node.view
+        return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
 
     def _run_backward(self, saved: Saved, grad: torch.Tensor) -> torch.Tensor:
         saved.y.backward(grad)
@@ -267,9 +308,13 @@ class StageWorker(PipelineEngine):
         if upstream.hop >= 0:
             self.sent[mb] = SentGradient(upstream, grad_in, self._expiry())
 
-    async def on_recompute(self, request: RecomputeRequest, stream: FramedStream) -> Ack:
-        """Redo a hop whose holder is gone: our own forward from its kept input, then backward."""
+    async def on_recompute(self, request: RecomputeRequest, stream: FramedStream, sender: str) -> Ack:
+        """Redo a hop whose holder is gone: our own forward from its kept input, then backward. Asked
+        only by the hop after it, which holds the gradient."""
         refusal = self._check_mine(request)
+        home = request.hop + 1 == len(request.route)
+        if refusal is None and sender != (request.origin if home else request.route[request.hop + 1].peer_id):
+            refusal = self._refuse(sender, request.microbatch_id, "a recompute comes only from the hop after")
         grad = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes)
         self.check_activation(grad)
         if refusal:
@@ -297,7 +342,8 @@ class StageWorker(PipelineEngine):
             await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: shapes disagree")
             return
         x, y = await self.compute(self._run_forward, x, True, priority=BACKWARD)
-        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step)
+        nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
+        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt)
         as_backward = BackwardRequest(
             microbatch_id=mb, origin=request.origin, step=request.step, hop=request.hop, route=request.route
         )
@@ -380,6 +426,10 @@ class StageWorker(PipelineEngine):
         self.contributors, self.closed = set(), set()
         stats = await self.compute(self.optimizer.step, priority=BACKWARD)
         self.node.inner_step = self.optimizer.step_count
+        if stats.skipped:
+            logger.warning("[%s] inner step %d skipped: gradient norm %s", self.node.short_id, stats.step,
+                           stats.grad_norm)  # fmt: skip
+            return
         self.node.grad_norm = stats.grad_norm
         self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
 
@@ -411,6 +461,16 @@ class StageWorker(PipelineEngine):
         """A fresh view of the swarm (each heartbeat): forget what has expired."""
         self.expire()
 
+    def forget_origin(self, origin: str) -> int:
+        """A data node restarted under the same peer id (restarts.py): none of the microbatches its old
+        process injected will come back, so drop what we keep for them, as if each was abandoned."""
+        stale = [mb for mb, s in self.saved.items() if s.origin == origin]
+        for mb in stale:
+            self._drop(mb)
+        for mb in [mb for mb, kept in self.sent.items() if kept.request.origin == origin]:
+            del self.sent[mb]
+        return len(stale)
+
     def expire(self) -> int:
         """Drop what we keep for microbatches whose gradient never came (abandoned downstream) or
         whose backward is long over."""
@@ -437,6 +497,8 @@ class StageWorker(PipelineEngine):
             "inner_steps": self.optimizer.step_count,
             "in_flight": len(self.saved),
             "expired": self.expired,
+            "refused": self.refused,
+            "steps_skipped": self.optimizer.skipped,
             "recomputed": self.recomputed,
             "recompute_s": round(self.recompute_s, 3),
             "recomputes_delegated": self.recomputes_delegated,

@@ -18,7 +18,7 @@ MAX_ID_CHARS = 96
 @message("hop")
 class Hop:
     stage: int
-    peer_id: str = wire_field(max_len=MAX_ID_CHARS)
+    peer_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
 
 
 @message("fwd")
@@ -28,8 +28,8 @@ class ForwardRequest:
     `hop == len(route)` means the activation has come home to the data node that sent it.
     """
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
-    origin: str = wire_field(max_len=MAX_ID_CHARS)  # the data node's peer id
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    origin: str = wire_field(max_len=MAX_ID_CHARS, token=True)  # the data node's peer id
     step: int
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
@@ -40,8 +40,8 @@ class ForwardRequest:
 class BackwardRequest:
     """Backpropagate the attached gradient of your output; `hop == -1` means: back at the data node."""
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
-    origin: str = wire_field(max_len=MAX_ID_CHARS)
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    origin: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     step: int
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
@@ -53,8 +53,8 @@ class RecomputeRequest:
     it (which kept what it sent), run forward again, and backpropagate the attached gradient of its
     output. `route` already names this peer at `hop`; backward then continues upstream as usual."""
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
-    origin: str = wire_field(max_len=MAX_ID_CHARS)
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    origin: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     step: int
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
@@ -65,7 +65,7 @@ class OutputRequest:
     """Send me again what you sent hop `hop + 1` of this microbatch (the input of a hop being redone).
     The reply is an Ack, then (if accepted) the tensor."""
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     hop: int
 
 
@@ -74,8 +74,8 @@ class RecoverRequest:
     """From the data node: `lost_peer` held this microbatch in backward and left; if you sent it a
     gradient, have its hop redone by another replica."""
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
-    lost_peer: str = wire_field(max_len=MAX_ID_CHARS)
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    lost_peer: str = wire_field(max_len=MAX_ID_CHARS, token=True)
 
 
 @message("step_close")
@@ -92,7 +92,7 @@ class StepClose:
 class AbandonNotice:
     """Tells a data node that one of its microbatches cannot finish, and why."""
 
-    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS)
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     reason: str = wire_field(max_len=200)
 
 

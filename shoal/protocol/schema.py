@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, NoReturn
@@ -30,6 +31,7 @@ from .errors import MalformedMessage, ProtocolError, quote
 from .limits import INT64_MAX, INT64_MIN, MAX_FIELDS, MAX_MESSAGE_BYTES, MAX_SEQUENCE_LEN, MAX_STR_LEN
 
 _OPTIONS_KEY = "shoal.protocol"
+_TOKEN = re.compile(r"[A-Za-z0-9._:#@-]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,23 +40,26 @@ class FieldOptions:
 
     max_len: int | None = None
     allow_nonfinite: bool = False
+    token: bool = False
 
 
 def wire_field(
     *,
     max_len: int | None = None,
     allow_nonfinite: bool = False,
+    token: bool = False,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with wire bounds.
 
     ``max_len`` bounds a str (characters), bytes or tuple field (also through ``| None``);
-    ``allow_nonfinite`` lets a float field carry NaN and infinities.
+    ``allow_nonfinite`` lets a float field carry NaN and infinities; ``token`` limits a str field to
+    ASCII letters, digits and ``. _ : # @ -`` (ids and peer ids: what a receiver may log or pass on).
     """
     if max_len is not None and (type(max_len) is not int or max_len < 0):
         raise ValueError(f"max_len must be a non-negative int, not {max_len!r}")
-    options = FieldOptions(max_len=max_len, allow_nonfinite=allow_nonfinite)
+    options = FieldOptions(max_len=max_len, allow_nonfinite=allow_nonfinite, token=token)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={_OPTIONS_KEY: options})
 
 
@@ -115,14 +120,17 @@ class _Float(Kind):
 
 
 class _Str(Kind):
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, token: bool = False) -> None:
         self.max_len = max_len
+        self.token = token
 
     def load(self, value: object, path: str) -> str:
         if type(value) is not str:
             _fail(path, "str", value)
         if len(value) > self.max_len:
             raise MalformedMessage(f"{path}: string of {len(value)} characters exceeds {self.max_len}")
+        if self.token and not _TOKEN.fullmatch(value):
+            raise MalformedMessage(f"{path}: an id may hold only ASCII letters, digits and . _ : # @ -")
         return value
 
     def dump(self, value: object, path: str) -> str:
@@ -284,7 +292,7 @@ def struct_kind(cls: type) -> StructKind:
 def _compile(tp: Any, options: FieldOptions, where: str) -> Kind:
     max_len = options.max_len
     if tp is str:
-        return _Str(MAX_STR_LEN if max_len is None else max_len)
+        return _Str(MAX_STR_LEN if max_len is None else max_len, options.token)
     if tp is bytes:
         return _Bytes(MAX_MESSAGE_BYTES if max_len is None else max_len)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -301,6 +309,8 @@ def _compile(tp: Any, options: FieldOptions, where: str) -> Kind:
         return _Sequence(_compile(args[0], item_options, f"{where}[]"), bound)
     if max_len is not None:
         raise TypeError(f"{where}: max_len applies to str, bytes and tuple[X, ...] fields only")
+    if options.token:
+        raise TypeError(f"{where}: token applies to str fields only")
     if tp is bool:
         return _BOOL
     if tp is int:

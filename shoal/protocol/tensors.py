@@ -70,10 +70,13 @@ class TensorMeta:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """What a receiver accepts: one dtype and a shape where ``None`` marks a free dimension."""
+    """What a receiver accepts: one dtype, a shape where ``None`` marks a free dimension, and (for
+    floats) optionally a bound on magnitude: a finite 3e38 would pass a finiteness check, then
+    overflow the first sum of squares it meets (a gradient norm), so receivers bound what they take."""
 
     dtype: str
     shape: tuple[int | None, ...]
+    max_abs: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:

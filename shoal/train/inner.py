@@ -7,6 +7,7 @@ step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from shoal.train.schedule import learning_rate
 class StepStats:
     step: int
     lr: float
-    grad_norm: float
+    grad_norm: float  # before clipping; inf or nan when the step was skipped
+    skipped: bool = False
 
 
 class InnerOptimizer:
@@ -33,16 +35,26 @@ class InnerOptimizer:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         self.adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), foreach=False)
         self.step_count = 0
+        self.skipped = 0
 
     def step(self) -> StepStats:
-        """Clip, step and zero the gradients accumulated since the last step."""
+        """Clip, step and zero the gradients accumulated since the last step.
+
+        A step whose gradient norm is not finite is skipped (and counted): its gradients are dropped
+        and the weights stay as they were. Clipped finite gradients move each weight by at most about
+        the learning rate, so the weights of a step taken stay finite too. The step still counts on
+        the run's clock, so the learning-rate schedule stays aligned with the other stages."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip)) if params else 0.0
         lr = learning_rate(self.step_count, self.optim, self.total_steps) * self.lr_scale
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
-        self.adamw.step()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped += 1
+        else:
+            for group in self.adamw.param_groups:
+                group["lr"] = lr
+            self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
-        stats = StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm)
+        stats = StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm, skipped=skipped)
         self.step_count += 1
         return stats

@@ -1,0 +1,395 @@
+"""A node's state on disk (`shoal node --state-dir DIR`): what a restarted node resumes from.
+
+    DIR/identity          the node's key, so its peer id survives a restart (shoal.dht.identity)
+    DIR/manifest.json     format version, run, peer, stage, role, counters, and the tensor file's
+                          name, size and SHA-256
+    DIR/state-<hash>.pt   the tensors: the stage's weights θ, AdamW's state, and the outer
+                          optimizer's slow weights φ and momentum where the node has them
+    DIR/lock              held (flock) by the node using DIR, so two nodes never share one identity
+
+A save writes the tensors to a temporary file, fsyncs it and renames it to a name of its own, then
+writes the manifest the same way, last: a node killed at any moment leaves the previous manifest and
+the file it names intact, and a half-written file is never named by a manifest. Older tensor files
+are removed only once the new manifest is in place. No pickle: the tensors are read with
+`torch.load(weights_only=True)` (tensors and plain containers only), and only after their checksum
+matched; the manifest is JSON.
+
+`StateDir.load` checks everything before anything is used, and raises `StateRefused` naming the file
+and why for a manifest of another format or version, run, model shape, stage count or peer, a tensor
+file that is missing, truncated or fails its checksum, and tensors of the wrong count, shape or
+dtype, or not finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoal.config import RunConfig
+from shoal.errors import UsageError
+
+FORMAT = "shoal-node-state"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+IDENTITY = "identity"
+LOCK = "lock"
+TENSOR_FILE = re.compile(r"state-[0-9a-f]{16}\.pt")
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden")  # what parameter shapes depend on
+CHUNK = 1 << 20
+
+
+class StateRefused(UsageError):
+    """Saved state this node will not use: `path` names the file, `why` says what is wrong with it."""
+
+    def __init__(self, path: Path, why: str):
+        self.path, self.why = path, why
+        super().__init__(
+            f"refusing the saved state {path}: {why}. Nothing was changed; to start this node fresh (keeping its "
+            f"identity), remove {path.parent / MANIFEST} and {path.parent}/state-*.pt, or pass another --state-dir"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class SavedState:
+    """What a node keeps across a restart: its stage's tensors and its counters."""
+
+    run_id: str
+    peer_id: str
+    stage: int
+    role: str  # "data" or "worker"
+    inner_step: int  # inner optimizer steps taken (a data node's next step: its data position)
+    outer_epoch: int  # outer epochs taken (0 where the node does not average)
+    lr_scale: float  # the inner optimizer's learning-rate scale (1.1 after a CheckFree repair)
+    weights: tuple[torch.Tensor, ...]  # θ, in module.parameters() order
+    inner: dict  # AdamW's state_dict: {"state": {index: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]}
+    phi: tuple[torch.Tensor, ...] | None = None  # outer slow weights, None where the node does not average
+    momentum: tuple[torch.Tensor, ...] | None = None
+    saved_at: float = 0.0  # unix time
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """The parameter shapes of one stage: in parameters() order (θ, φ, momentum), and in the inner
+    optimizer's order (AdamW numbers its state by parameter group: see InnerOptimizer)."""
+
+    params: tuple[tuple[int, ...], ...]
+    optimizer: tuple[tuple[int, ...], ...]
+
+
+def stage_shapes(run: RunConfig, stage: int) -> StageShapes:
+    from shoal.model.stages import build_stage
+    from shoal.train.inner import InnerOptimizer
+
+    module = build_stage(run.model, run.pipeline.stages, stage, run.train.seed)
+    groups = InnerOptimizer(module, run.optim, run.train.steps).adamw.param_groups
+    return StageShapes(
+        params=tuple(tuple(p.shape) for p in module.parameters()),
+        optimizer=tuple(tuple(p.shape) for group in groups for p in group["params"]),
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class StateDir:
+    """One node's --state-dir: save and load its state, atomically and checked."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._write_lock = threading.Lock()  # saves from the interval task and from shutdown never interleave
+        self._lock_fd: int | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def identity_path(self) -> Path:
+        return self.path / IDENTITY
+
+    # ---- owning the folder -----------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Create DIR if needed and take its lock: a second node on the same DIR would share our peer id."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise UsageError(f"--state-dir {self.path}: cannot use it ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"--state-dir {self.path} is in use by another node (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    # ---- saving ----------------------------------------------------------------------------------
+
+    def save(self, state: SavedState, run: RunConfig) -> Path:
+        """Write `state` for `run`: the tensors first, then the manifest that names them; returns the
+        tensor file. Blocking (file I/O and fsync): call it off the event loop."""
+        with self._write_lock:
+            name, size, digest = self.write_tensors(state)
+            self.commit(self.manifest(state, run, name, size, digest))
+            return self.path / name
+
+    def write_tensors(self, state: SavedState) -> tuple[str, int, str]:
+        """The first half of a save: the tensors under a name of their own (no manifest names it yet)."""
+        payload = {
+            "weights": list(state.weights),
+            "inner": state.inner,
+            "phi": None if state.phi is None else list(state.phi),
+            "momentum": None if state.momentum is None else list(state.momentum),
+        }
+        tmp = self.path / f".state.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = _sha256(tmp)
+            name = f"state-{digest[:16]}.pt"
+            size = tmp.stat().st_size
+            os.replace(tmp, self.path / name)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        _fsync_dir(self.path)
+        return name, size, digest
+
+    @staticmethod
+    def manifest(state: SavedState, run: RunConfig, name: str, size: int, digest: str) -> dict[str, Any]:
+        model = run.model
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "run_id": state.run_id,
+            "run_name": run.name,
+            "stages": run.pipeline.stages,
+            "model": {key: getattr(model, key) for key in SHAPE_FIELDS},
+            "peer_id": state.peer_id,
+            "stage": state.stage,
+            "role": state.role,
+            "inner_step": state.inner_step,
+            "outer_epoch": state.outer_epoch,
+            "lr_scale": state.lr_scale,
+            "saved_at": state.saved_at or time.time(),
+            "tensors": {"file": name, "bytes": size, "sha256": digest},
+        }
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        """The second half: replace the manifest (temp file, fsync, rename), then drop the tensor
+        files it no longer names."""
+        tmp = self.path / f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.manifest_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        _fsync_dir(self.path)
+        keep = manifest["tensors"]["file"]
+        for old in self.path.glob("state-*.pt"):
+            if old.name != keep:
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    def load(self, run: RunConfig, peer_id: str) -> SavedState | None:
+        """The state saved here for this run and peer, checked; None if nothing was ever saved.
+        Raises `StateRefused` (naming the file and why) for anything it will not use."""
+        if not self.manifest_path.exists():
+            return None
+        manifest = self._read_manifest()
+        tensors_path = self.path / manifest["tensors"]["file"]
+        self._check_intact(tensors_path, manifest["tensors"])  # intact first: then whether it is ours
+        self._check_foreign(manifest, run, peer_id)
+        stage = manifest["stage"]
+        payload = self._read_tensors(tensors_path)
+        weights, inner, phi, momentum = _check_payload(payload, stage_shapes(run, stage), tensors_path)
+        return SavedState(
+            run_id=manifest["run_id"],
+            peer_id=manifest["peer_id"],
+            stage=stage,
+            role=manifest["role"],
+            inner_step=manifest["inner_step"],
+            outer_epoch=manifest["outer_epoch"],
+            lr_scale=float(manifest["lr_scale"]),
+            weights=weights,
+            inner=inner,
+            phi=phi,
+            momentum=momentum,
+            saved_at=float(manifest["saved_at"]),
+        )
+
+    def _read_manifest(self) -> dict[str, Any]:
+        path = self.manifest_path
+        try:
+            manifest = json.loads(path.read_text())
+        except OSError as e:
+            raise StateRefused(path, f"cannot be read ({e.strerror})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StateRefused(path, f"is not valid JSON ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise StateRefused(path, "is not a shoal node state manifest")
+        if manifest.get("version") != FORMAT_VERSION:
+            raise StateRefused(
+                path, f"has format version {manifest.get('version')!r}; this shoal reads {FORMAT_VERSION}"
+            )
+        expected = {"run_id": str, "run_name": str, "stages": int, "model": dict, "peer_id": str, "stage": int,
+                    "role": str, "inner_step": int, "outer_epoch": int, "lr_scale": (int, float),
+                    "saved_at": (int, float), "tensors": dict}  # fmt: skip
+        for key, kind in expected.items():
+            value = manifest.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise StateRefused(path, f"has a missing or malformed {key!r}")
+        if manifest["inner_step"] < 0 or manifest["outer_epoch"] < 0 or not math.isfinite(manifest["lr_scale"]):
+            raise StateRefused(path, "has negative counters or a non-finite learning-rate scale")
+        if manifest["role"] not in ("data", "worker"):
+            raise StateRefused(path, f"has role {manifest['role']!r}, not data or worker")
+        tensors = manifest["tensors"]
+        if not (
+            isinstance(tensors.get("file"), str)
+            and TENSOR_FILE.fullmatch(tensors["file"])
+            and isinstance(tensors.get("bytes"), int)
+            and isinstance(tensors.get("sha256"), str)
+        ):
+            raise StateRefused(path, "names its tensor file malformed (file, bytes, sha256)")
+        return manifest
+
+    def _check_foreign(self, manifest: dict[str, Any], run: RunConfig, peer_id: str) -> None:
+        path = self.manifest_path
+        if manifest["stages"] != run.pipeline.stages:
+            raise StateRefused(
+                path, f"was saved for a run of {manifest['stages']} stages; run {run.name} has {run.pipeline.stages}"
+            )
+        ours = {key: getattr(run.model, key) for key in SHAPE_FIELDS}
+        differ = [f"{k} {manifest['model'].get(k)!r} there, {v!r} here" for k, v in ours.items()
+                  if manifest["model"].get(k) != v]  # fmt: skip
+        if differ:
+            raise StateRefused(path, f"was saved for another model shape ({', '.join(differ)})")
+        if manifest["run_id"] != run.run_id:
+            raise StateRefused(
+                path,
+                f"was saved for run {manifest['run_name']}@{manifest['run_id']}; this node joins run "
+                f"{run.name}@{run.run_id}",
+            )
+        if manifest["peer_id"] != peer_id:
+            raise StateRefused(
+                path,
+                f"was saved by peer {manifest['peer_id']}, and this node is {peer_id} (its identity file is "
+                "another one, or was replaced)",
+            )
+        if not 0 <= manifest["stage"] < run.pipeline.stages:
+            raise StateRefused(
+                path, f"holds stage {manifest['stage']}, outside this run's 0..{run.pipeline.stages - 1}"
+            )
+
+    def _check_intact(self, path: Path, described: dict[str, Any]) -> None:
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise StateRefused(path, f"is named by {MANIFEST} but cannot be read ({e.strerror})") from None
+        if size != described["bytes"]:
+            raise StateRefused(path, f"is truncated or altered: {size} bytes, {described['bytes']} were saved")
+        if _sha256(path) != described["sha256"]:
+            raise StateRefused(path, "does not match its checksum in the manifest (corrupt)")
+
+    def _read_tensors(self, path: Path) -> Any:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # the checksum matched, so this is a file we did not write
+            raise StateRefused(path, f"cannot be read as plain tensors ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _check_payload(
+    payload: Any, shapes: StageShapes, path: Path
+) -> tuple[tuple[torch.Tensor, ...], dict, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """Weights, AdamW state, φ and momentum from a loaded payload, each checked against `shapes`."""
+    if not isinstance(payload, dict) or set(payload) != {"weights", "inner", "phi", "momentum"}:
+        raise StateRefused(path, "does not hold weights, inner, phi and momentum")
+    params = shapes.params
+    weights = _tensor_list(payload["weights"], params, path, "weights")
+    phi = None if payload["phi"] is None else _tensor_list(payload["phi"], params, path, "slow weights")
+    momentum = None if payload["momentum"] is None else _tensor_list(payload["momentum"], params, path, "momentum")
+    if (phi is None) != (momentum is None):
+        raise StateRefused(path, "holds slow weights without momentum, or momentum without slow weights")
+    return weights, _check_inner(payload["inner"], shapes.optimizer, path), phi, momentum
+
+
+def _tensor_list(value: Any, shapes: Sequence[tuple[int, ...]], path: Path, what: str) -> tuple[torch.Tensor, ...]:
+    if not isinstance(value, list) or len(value) != len(shapes):
+        count = len(value) if isinstance(value, list) else "no list of"
+        raise StateRefused(path, f"holds {count} {what} tensors; this stage of the model has {len(shapes)}")
+    for i, (tensor, shape) in enumerate(zip(value, shapes, strict=True)):
+        _check_tensor(tensor, shape, path, f"{what} tensor {i}")
+    return tuple(value)
+
+
+def _check_tensor(tensor: Any, shape: tuple[int, ...], path: Path, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise StateRefused(path, f"{what} is not a tensor")
+    if tuple(tensor.shape) != tuple(shape):
+        raise StateRefused(
+            path, f"{what} has shape {tuple(tensor.shape)}; the model has {tuple(shape)} (another shape)"
+        )
+    if tensor.dtype != torch.float32:
+        raise StateRefused(path, f"{what} is {tensor.dtype}, not float32")
+    if not bool(torch.isfinite(tensor).all()):
+        raise StateRefused(path, f"{what} holds NaN or infinite values")
+
+
+def _check_inner(inner: Any, shapes: Sequence[tuple[int, ...]], path: Path) -> dict:
+    """AdamW's state: a moment pair (and a step) per parameter it has seen, each of its parameter's shape.
+    The parameter groups (hyper-parameters) are not taken from the file: the run's config sets them."""
+    if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict):
+        raise StateRefused(path, "holds no optimizer state")
+    for index, entry in inner["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(shapes) or not isinstance(entry, dict):
+            raise StateRefused(path, f"holds optimizer state for parameter {index!r}, which this stage does not have")
+        if set(entry) != {"step", "exp_avg", "exp_avg_sq"}:
+            raise StateRefused(path, f"holds optimizer state {sorted(entry)} for parameter {index}")
+        step = entry["step"]
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or not bool(torch.isfinite(step).all()):
+            raise StateRefused(path, f"optimizer step of parameter {index} is not a finite number")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _check_tensor(entry[key], shapes[index], path, f"optimizer {key} of parameter {index}")
+    return {"state": inner["state"]}
