@@ -46,6 +46,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "replica_distance": None,
         "averager_maddrs": [],
         "model_id": None,
+        "reachable": None,
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

@@ -16,6 +16,8 @@ from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import collision_report
 from shoal.dht.swarm import SwarmDHT
+from shoal.node.reachability import ReachService
+from shoal.node.transport import serve
 
 if TYPE_CHECKING:
     from shoal.node.metrics import MetricsServer
@@ -41,6 +43,7 @@ class BootstrapPeer:
         record_ttl_s: float = 60.0,
     ) -> BootstrapPeer:
         dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
+        await serve(dht.p2p, ReachService(), who=dht.peer_id[-8:])  # joiners ask it to dial them back
         peer = cls(dht, run, record_ttl_s)
         if run is not None:
             await peer._publish_run()

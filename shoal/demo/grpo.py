@@ -3,6 +3,8 @@ as real processes on loopback, exchanging rollouts over libp2p, with live progre
 
     shoal demo --mode grpo                       # 3 rollout workers, the third with another policy seed
     shoal demo --mode grpo --rollouts 4 --rounds 30 --kill-at-round 10
+    shoal demo --mode grpo --adversary trigger   # one more node sharing poisoned rollouts (an experiment)
+    shoal demo --mode grpo --adversary trigger --no-defenses   # ... with the receivers' checks off
 
 Every node warms up its policy (cached by model id under the shoal cache), so the first run spends
 about 20 s per distinct policy before round 0; the demo warms them up once, here, before starting.
@@ -29,23 +31,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grpo-mode", choices=("alone", "naive", "tis", "ftis"), default="ftis")
     group.add_argument("--deadline", type=float, default=4.0, help="seconds a round waits for peers' bundles")
     group.add_argument("--kill-at-round", type=int, default=None, help="SIGKILL the last worker at this round")
+    group.add_argument(
+        "--adversary",
+        default=None,
+        metavar="ATTACK",
+        help="add one node that shares poisoned rollouts (trigger, wrong-step, reward-lie, vertical-trick, length); "
+        "the task becomes add2r-steps, whose visible working the attacks need",
+    )
+    group.add_argument("--no-defenses", action="store_true", help="turn the receivers' rollout checks off")
 
 
 def grpo_run(args: argparse.Namespace) -> RunConfig:
+    extra = {"task": "add2r-steps"} if args.adversary else {}
     return run_config_from_dict({"name": "grpo-demo", "grpo": {
         "rounds": args.rounds, "layout": args.layout, "mode": args.grpo_mode, "lr": 3e-4,
         "round_deadline_s": args.deadline, "eval_every": 4, "eval_prompts": 128,
+        "defenses": not args.no_defenses, **extra,
     }})  # fmt: skip
 
 
-def node_policies(count: int) -> list[list[str]]:
-    """Flags per node: the same small policy everywhere but on the last node, which differs by seed."""
-    return [["--policy-seed", "1" if i == count - 1 else "0"] for i in range(count)]
+def node_policies(count: int, adversary: str | None = None) -> list[list[str]]:
+    """Flags per node: the same small policy everywhere but on the last node, which differs by seed.
+    With an adversary, one more node runs the honest nodes' policy and shares only poison."""
+    flags = [["--policy-seed", "1" if i == count - 1 else "0"] for i in range(count)]
+    if adversary is not None:
+        flags.append(["--policy-seed", "0", "--experiment-adversary", adversary])
+    return flags
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rollouts < 3:
         raise UsageError("--rollouts must be at least 3")
+    from shoal.adversary.attacks import ATTACKS
+
+    if args.adversary is not None and args.adversary not in ATTACKS:
+        raise UsageError(f"--adversary must be one of {', '.join(ATTACKS)}, got {args.adversary!r}")
     import torch
     from rich.console import Console
     from rich.live import Live
@@ -58,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)  # the warm-ups below share the machine with the nodes' processes
     run_config = grpo_run(args)
     console = Console(stderr=True)
-    policies = node_policies(args.rollouts)
+    policies = node_policies(args.rollouts, args.adversary)
     cache = cache_dir() / "grpo"
     for seed in sorted({int(flags[1]) for flags in policies}):
         spec = PolicySpec(task=run_config.grpo.task, d_model=48, n_layers=2, n_heads=2, seed=seed, warmup_steps=650)
@@ -70,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     run_file = workdir / "run.toml"
     run_file.write_text(run_config.to_toml())
     swarm = LocalSwarm(workdir)
-    progress = [workdir / f"progress-{i}.jsonl" for i in range(args.rollouts)]
+    progress = [workdir / f"progress-{i}.jsonl" for i in range(len(policies))]
     started, killed = time.monotonic(), None
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -90,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 str(path),
                 *flags,
                 wait=False,
-                name=f"rollout{i}",
+                name="adversary" if "--experiment-adversary" in flags else f"rollout{i}",
             )  # fmt: skip
             for i, (path, flags) in enumerate(zip(progress, policies, strict=True))
         ]
@@ -99,11 +119,16 @@ def run(args: argparse.Namespace) -> int:
         with Live(console=console, refresh_per_second=2) as live:
             while True:
                 events = [progress_events(p) for p in progress]
-                if args.kill_at_round is not None and killed is None and _last_round(events[-1]) >= args.kill_at_round:
-                    swarm.kill(nodes[-1])
-                    killed = {"node": nodes[-1].name, "round": args.kill_at_round, "signal": "SIGKILL"}
+                victim = args.rollouts - 1  # the last honest worker
+                if (
+                    args.kill_at_round is not None
+                    and killed is None
+                    and _last_round(events[victim]) >= args.kill_at_round
+                ):
+                    swarm.kill(nodes[victim])
+                    killed = {"node": nodes[victim].name, "round": args.kill_at_round, "signal": "SIGKILL"}
                 if not args.quiet:
-                    live.update(_table(run_config, nodes, events, started))
+                    live.update(_table(run_config, nodes, events, started, args.adversary))
                 finished = [
                     any(e["event"] == "done" for e in ev) or not n.alive for n, ev in zip(nodes, events, strict=True)
                 ]
@@ -118,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous_sigterm)
         swarm.close()
     path = write_grpo_report(Path(args.report), run_config, nodes, [progress_events(p) for p in progress], killed,
-                             wall_s)  # fmt: skip
+                             wall_s, args.adversary)  # fmt: skip
     console.print(f"report in {path.parent}; logs in {workdir}")
     print(path)
     return 0
@@ -128,33 +153,51 @@ def _last_round(events: list[dict]) -> int:
     return max((e["round"] for e in events if e["event"] == "round"), default=-1)
 
 
-def _table(run_config: RunConfig, nodes: list, events: list[list[dict]], started: float):
+def _table(run_config: RunConfig, nodes: list, events: list[list[dict]], started: float, attack: str | None = None):
     from rich.table import Table
 
     table = Table(title=f"shoal demo --mode grpo: run {run_config.name}@{run_config.run_id}")
-    for column in ("node", "policy", "round", "mean reward", "held-out accuracy", "foreign used"):
+    columns = ["node", "policy", "round", "mean reward", "held-out accuracy", "foreign used"]
+    if attack is not None:
+        columns += [f"{attack} success", "foreign rejected", "dropped"]
+    for column in columns:
         table.add_column(column)
     for node, ev in zip(nodes, events, strict=True):
         rounds = [e for e in ev if e["event"] == "round"]
         accs = [e["accuracy"] for e in ev if "accuracy" in e]
         last = rounds[-1] if rounds else {}
         model = ev[0].get("model_id", "-") if ev else "-"
-        table.add_row(
+        row = [
             node.name + ("" if node.alive else " (dead)"),
             model,
             f"{last.get('round', '-')}/{run_config.grpo.rounds}",
             f"{last['mean_reward']:.3f}" if last else "-",
             f"{accs[0]:.3f} -> {accs[-1]:.3f}" if accs else "-",
             str(last.get("foreign_used", "-")),
-        )
+        ]
+        if attack is not None:
+            honest = last.get("adversary") is None
+            row += [
+                f"{last['marks'].get(attack, 0.0):.3f}" if last and honest else "-",
+                str(sum(e["foreign_rejected"] for e in rounds)) if honest else "-",
+                str(len(last.get("dropped", []))) if last else "-",
+            ]
+        table.add_row(*row)
     table.caption = f"{time.monotonic() - started:.0f} s"
     return table
 
 
 def write_grpo_report(
-    directory: Path, run_config: RunConfig, nodes: list, events: list[list[dict]], killed: dict | None, wall_s: float
+    directory: Path,
+    run_config: RunConfig,
+    nodes: list,
+    events: list[list[dict]],
+    killed: dict | None,
+    wall_s: float,
+    attack: str | None = None,
 ) -> Path:
-    """report.json (per node: accuracy [[round, acc]], mean reward per round) and two plots."""
+    """report.json (per node: accuracy [[round, acc]], mean reward per round; with an adversary, the
+    attack's success per round on each honest node) and the plots."""
     directory.mkdir(parents=True, exist_ok=True)
     per_node = {}
     for node, ev in zip(nodes, events, strict=True):
@@ -168,19 +211,27 @@ def write_grpo_report(
             "foreign_used": sum(e["foreign_used"] for e in rounds),
             "foreign_dropped": sum(e["foreign_dropped"] for e in rounds),
             "refused": sum(len(e["refused"]) for e in rounds),
+            "adversary": rounds[0]["adversary"] if rounds else None,
         }
+        if attack is not None and not per_node[node.name]["adversary"]:
+            per_node[node.name]["attack_success"] = [[e["round"], e["marks"].get(attack, 0.0)] for e in rounds]
+            per_node[node.name]["foreign_rejected"] = sum(e["foreign_rejected"] for e in rounds)
     report = {
         "run": run_config.to_dict(),
         "run_id": run_config.run_id,
         "rounds": run_config.grpo.rounds,
         "nodes": per_node,
         "killed": killed,
+        "adversary": None if attack is None else {"attack": attack, "defenses": run_config.grpo.defenses},
         "wall_s": wall_s,
     }
     path = directory / "report.json"
     write_json_atomic(path, report)
     _plot(directory / "reward.png", {n: v["mean_reward"] for n, v in per_node.items()}, "mean reward of own samples")
     _plot(directory / "accuracy.png", {n: v["accuracy"] for n, v in per_node.items()}, "held-out accuracy (greedy)")
+    if attack is not None:
+        success = {n: v["attack_success"] for n, v in per_node.items() if "attack_success" in v}
+        _plot(directory / "attack.png", success, f"{attack}: share of own completions poisoned")
     return path
 
 

@@ -83,6 +83,8 @@ class NodeRecord(_Strict):
     # DiLoCo: where this replica's averaging DHT listens (hivemind's averager needs a DHT of its own)
     averager_maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=MAX_MADDRS)  # type: ignore[valid-type]
     repair: RepairRecord | None
+    # whether the peers it asked could open a connection to it (node/reachability.py); None: not checked
+    reachable: pydantic.StrictBool | None
     # GRPO: the policy a rollout worker samples with (PolicySpec.model_id); None for pipeline nodes
     model_id: pydantic.constr(strict=True, min_length=1, max_length=96, regex=r"^[A-Za-z0-9._-]+$") | None  # type: ignore[valid-type]
 
@@ -131,6 +133,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         if record.repair is None
         else RepairNote(**{**record.repair.dict(), "sources": tuple(record.repair.sources)}),
         model_id=record.model_id,
+        reachable=record.reachable,
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

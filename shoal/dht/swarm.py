@@ -74,6 +74,8 @@ class SwarmDHT:
         announce_maddrs: Sequence[str] = (),
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
     ) -> SwarmDHT:
         try:
             async with _key_file(identity) as key_path:
@@ -85,6 +87,8 @@ class SwarmDHT:
                     check_if_identity_free=not identity.created,  # a key made just now is nobody else's
                     dht_mode="client" if client_mode else "server",
                     nat_port_map=False,  # no UPnP multicast onto the local network
+                    use_relay=use_relay,
+                    use_auto_relay=use_auto_relay,
                     startup_timeout=startup_timeout_s,
                 )
         except Exception as e:

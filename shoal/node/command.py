@@ -58,6 +58,15 @@ def add_state_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--use-auto-relay",
+        action="store_true",
+        help="behind NAT: find relay peers and be reachable through them (libp2p circuit relay)",
+    )
+    parser.add_argument("--no-relay", action="store_true", help="do not use libp2p's relay transport at all")
+
+
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
@@ -124,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
     add_state_arguments(parser)
+    add_relay_arguments(parser)
     add_metrics_arguments(parser)
     policy = parser.add_argument_group("GRPO rollout workers: this node's policy (declared in its record)")
     policy.add_argument("--policy-width", type=int, default=48, help="model width d")
@@ -174,6 +184,8 @@ def node_config(args: argparse.Namespace):
         save_every_s=args.save_every_s,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
+        use_relay=not args.no_relay,
+        use_auto_relay=args.use_auto_relay,
         run_name=args.run,
         run_config_path=args.run_config,
         data_path=args.data,

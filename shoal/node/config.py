@@ -18,6 +18,8 @@ class NodeConfig:
     save_every_s: float = 60.0  # how often a node with a state dir saves (and a kill loses at most)
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
+    use_relay: bool = True  # libp2p's circuit relay transport (hivemind's default)
+    use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
     run_name: str | None = None  # read this run's config from the DHT
     run_config_path: str | None = None  # or from this file
     data_path: str | None = None  # overrides the run's data.path for this node
@@ -68,6 +70,8 @@ class NodeConfig:
             raise ConfigError("--max-swaps", "must be zero or more")
         if self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
+        if self.use_auto_relay and not self.use_relay:
+            raise ConfigError("--use-auto-relay", "needs the relay transport: drop --no-relay")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ConfigError("--max-inflight", "must be at least 1")
         if not 3.0 <= self.record_ttl_s <= 3600.0:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import random
 import resource
 import time
 from collections import Counter
@@ -27,13 +28,14 @@ from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
-from shoal.node import capacity
+from shoal.node import capacity, reachability
 from shoal.node.config import NodeConfig
 from shoal.node.data_driver import DataDriver
 from shoal.node.health import HealthService
 from shoal.node.links import LinkMonitor
 from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.pipeline_service import PipelineService
+from shoal.node.reachability import ReachService
 from shoal.node.restarts import RestartWatch, forget_restarted
 from shoal.node.rollout import RolloutService, RolloutWorker
 from shoal.node.stage_repair import repair_stage, stage_was_lost
@@ -149,6 +151,7 @@ class Node:
         self._maddrs: list[str] = []
         self.keeper: StateKeeper | None = None  # --state-dir: saves this node's state, resumes from it
         self.restarts = RestartWatch()
+        self.reachable: bool | None = None  # the reachability self-check's verdict (None: not checked yet)
         self.errors: Counter[str] = Counter()  # by kind, for the metrics (see metrics.ERROR_KINDS)
         self.metrics: MetricsServer | None = None
 
@@ -156,7 +159,14 @@ class Node:
     async def create(cls, config: NodeConfig) -> Node:
         keeper = StateKeeper.open(config.state_dir, config.save_every_s) if config.state_dir else None
         identity = load_identity(config.identity_file)
-        dht = await SwarmDHT.create(identity, config.initial_peers, config.host_maddrs, config.announce_maddrs)
+        dht = await SwarmDHT.create(
+            identity,
+            config.initial_peers,
+            config.host_maddrs,
+            config.announce_maddrs,
+            use_relay=config.use_relay,
+            use_auto_relay=config.use_auto_relay,
+        )
         metrics: MetricsServer | None = None
         try:
             run = await resolve_run(dht, config)
@@ -248,6 +258,7 @@ class Node:
             "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
             "repair": self.repair,
             "model_id": getattr(self.engine, "model_id", None),
+            "reachable": self.reachable,
         }
 
     async def publish(self) -> bool:
@@ -266,13 +277,14 @@ class Node:
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
-        for service in (HealthService(self), PipelineService(self), RolloutService(self)):
+        for service in (HealthService(self), ReachService(), PipelineService(self), RolloutService(self)):
             self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s, self.errors, self.short_id)
         if self.role == ROLE_ROLLOUT:
             await self._start_rollouts()
             return
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
         self.view = await self.answering_view()
+        await self.check_reachability()
         self.stage = self.keeper.saved_stage if self.keeper is not None else None  # resume there if still needed
         self._set_stage(self.choose_stage())
         for _ in range(SETTLE_ROUNDS):
@@ -308,6 +320,7 @@ class Node:
         await worker.prepare()
         self.stage, self.engine = 0, worker
         self.view = await self.answering_view()
+        await self.check_reachability()
         self.state = STATE_ACTIVE
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
@@ -315,6 +328,22 @@ class Node:
         self._tasks.append(asyncio.create_task(self._train(worker), name="rounds"))
         self._write_ready_file()
         logger.info("[%s] active: rollout worker with policy %s", self.short_id, worker.model_id)
+
+    async def check_reachability(self) -> None:
+        """Ask the initial peers and a few live nodes to dial us back; when none could, say so once
+        with the fix (reachability.py). The verdict goes in our record, so `shoal status` shows it."""
+        initial = [m.rsplit("/p2p/", 1)[1] for m in self.config.initial_peers if "/p2p/" in m]
+        live = [n.peer_id for n in self.view.live_nodes()] if self.view is not None else []
+        askers = list(dict.fromkeys(p for p in [*initial, *random.sample(live, len(live))] if p != self.peer_id))
+        if not askers:
+            return
+        result = await reachability.check(self.dht.p2p, self._maddrs, askers)
+        self.reachable = result.reachable
+        if result.reachable is False:
+            logger.warning("[%s] not reachable: %s", self.short_id, reachability.advice(self._maddrs, result))
+        elif result.reachable:
+            logger.info("[%s] reachable at %s (%d peer(s) asked)", self.short_id, ", ".join(result.confirmed),
+                        result.asked)  # fmt: skip
 
     async def answering_view(self) -> SwarmView:
         """The swarm view without the peers that do not answer a ping. A killed peer's record lives on

@@ -88,6 +88,7 @@ def summarize(run, view) -> dict[str, Any]:
                 "replica_distance": n.replica_distance,
                 "grad_norm_clipped": n.grad_norm_clipped,
                 "repair": None if n.repair is None else asdict(n.repair),
+                "reachable": n.reachable,
             }
         )
     stages = [
@@ -128,6 +129,9 @@ def print_table(doc: dict[str, Any]) -> None:
     console.print(table)
     covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])
     console.print(f"replicas per stage  {covered}")
+    unreachable = [n for n in doc["nodes"] if n["reachable"] is False]
+    for n in unreachable:
+        console.print(f"…{n['peer_id'][-10:]} is not reachable: peers could not open a connection to it (see its log)")
     for repair in doc["repairs"]:
         sources = ", ".join(str(s) for s in repair["sources"]) or "nothing"
         note = f" ({repair['note']})" if repair["note"] else ""

@@ -42,6 +42,7 @@ class RemoteError(Exception):
 class FramedStream:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
         self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
+        self.remote_addr: str | None = None  # served streams: the multiaddr the caller's connection came from
 
     async def read_frame(self, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
         try:
@@ -134,6 +135,7 @@ async def unserve(p2p: P2P, names: list[str]) -> None:
 def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float, errors: Counter[str], who: str):
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         stream = FramedStream(reader, writer, timeout_s)
+        stream.remote_addr = str(stream_info.addr) if getattr(stream_info, "addr", None) else None
         peer = stream_info.peer_id
         try:
             request = await stream.read_message(request_type)

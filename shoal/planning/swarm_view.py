@@ -57,6 +57,7 @@ class NodeInfo:
     averager_maddrs: tuple[str, ...] = ()  # DiLoCo: its averaging DHT's addresses
     repair: RepairNote | None = None  # CheckFree: how this node rebuilt its stage, if it did
     model_id: str | None = None  # GRPO: the policy a rollout worker samples with (PolicySpec.model_id)
+    reachable: bool | None = None  # whether the peers it asked could open a connection to it (None: unknown)
 
     @property
     def live(self) -> bool:

@@ -46,3 +46,21 @@ class ErrorReply:
     def to_error(self) -> ProtocolError:
         """The typed error the peer reported, for the caller to raise."""
         return error_for_code(self.code, self.message)
+
+
+@message("reach")
+class ReachRequest:
+    """Can you open a TCP connection to me at these addresses? (The reachability self-check.) The
+    receiver dials only addresses at the IP this request came from, so nobody can make a peer scan
+    third parties."""
+
+    maddrs: tuple[str, ...] = wire_field(max_len=4)
+
+
+@message("reach_reply")
+class ReachReply:
+    """Per address asked: "reachable", "unreachable" or "not checked" (and why); plus the address the
+    request was seen to come from, which tells a node behind NAT its public IP."""
+
+    results: tuple[str, ...] = wire_field(max_len=4)
+    observed: str = wire_field(max_len=200)
