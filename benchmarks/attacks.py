@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/attacks.py                       # 5 attacks x 2 arms, 30 rounds: ~15 min
     .venv/bin/python benchmarks/attacks.py --attacks trigger --rounds 10 --no-docs   # a quick look
+    .venv/bin/python benchmarks/attacks.py pipeline              # hostile stage replicas: stage_attacks.py
 
 Nodes simulated in one process, horizontal layout, task `add2r-steps` (2-digit addition with its
 working shown: `47+38=15;08|58$`): every round all nodes derive the same 16 prompts; each honest node
@@ -107,6 +108,10 @@ def run_arm(start: Policy, attack_name: str, defended: bool, seed: int, args: ar
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["pipeline"]:  # the pipeline attacks: real daemons, their own module
+        from stage_attacks import main as pipeline_main
+
+        return pipeline_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--rounds", type=int, default=30)

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("shoal.node.command", "join a swarm and work"),
     "status": ("shoal.node.status", "show the swarm at a glance"),
     "health": ("shoal.node.health_check", "ping one node with its health RPC: exit 0 if it answers"),
+    "dashboard": ("shoal.dashboard.command", "watch a swarm in a local web page"),
     "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),
 }
 

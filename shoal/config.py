@@ -105,6 +105,30 @@ class RepairConfig:
         return 0.5 if self.rule == "checkfree_plus" else 0.0
 
 
+@dataclass(frozen=True)
+class PipelineDefenseConfig:
+    """Defenses of a pipeline run against hostile stage replicas (docs/security.md), on by default.
+
+    The robust outer step (shoal.train.robust): a NoLoCo partner whose pseudo-gradient norm, or whose
+    fast weights' distance to ours, is beyond `outer_tolerance` times the median this replica has seen
+    over its last `outer_window` outer steps is refused (a local step instead); a DiLoCo mean that far
+    from our own pseudo-gradient is clipped toward it (CenteredClip). Audits (shoal.train.audit): at
+    each step a data node, with probability `audit_rate`, sends one microbatch's activation to two
+    replicas of a stage and compares their outputs against the spread it has seen between replicas
+    (`audit_tolerance` times its median, never below `audit_min_spread`); a disagreement is settled by
+    a third replica when the stage has one. After `audit_failures` failed audits a replica is excluded
+    from that data node's routes and listed, with the reason, in its record and in `shoal status`."""
+
+    robust_outer: bool = True
+    outer_tolerance: float = 3.0
+    outer_window: int = 8
+    audit_rate: float = 0.1  # per data-node step; 0: no audits
+    audit_tolerance: float = 2.5
+    audit_min_spread: float = 0.5  # output distance / update size an audit always lets pass
+    audit_window: int = 32  # passed audits per stage the median spread is taken over
+    audit_failures: int = 2
+
+
 GRPO_LAYOUTS = ("horizontal", "vertical")
 GRPO_MODES = ("alone", "naive", "tis", "ftis")
 
@@ -147,6 +171,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
+    defense: PipelineDefenseConfig = field(default_factory=PipelineDefenseConfig)
     grpo: GRPORunConfig | None = None  # present only in GRPO runs (so pipeline run ids stay as they were)
 
     @property
@@ -159,8 +184,12 @@ class RunConfig:
 
     @property
     def run_id(self) -> str:
-        """Content hash of the config: peers with the same run id train the same thing."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Content hash of the config: peers with the same run id train the same thing. A `defense`
+        section at its defaults is left out of the hash, so run ids stay as they were before it."""
+        data = self.to_dict()
+        if self.defense == PipelineDefenseConfig():
+            del data["defense"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -338,8 +367,23 @@ def _validate(cfg: RunConfig) -> None:
         "repair.weights_from",
         f"must be unclipped or clipped, got {r.weights_from!r}",
     )
+    _validate_defense(cfg.defense)
     if cfg.grpo is not None:
         _validate_grpo(cfg.grpo)
+
+
+def _validate_defense(f: PipelineDefenseConfig) -> None:
+    def need(ok: bool, where: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"defense.{where}", message)
+
+    need(1.0 < f.outer_tolerance <= 1000.0, "outer_tolerance", f"must be in (1, 1000], got {f.outer_tolerance}")
+    need(1 <= f.outer_window <= 1000, "outer_window", f"must be in 1..1000, got {f.outer_window}")
+    need(0.0 <= f.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {f.audit_rate}")
+    need(1.0 < f.audit_tolerance <= 1000.0, "audit_tolerance", f"must be in (1, 1000], got {f.audit_tolerance}")
+    need(0.0 < f.audit_min_spread <= 100.0, "audit_min_spread", f"must be in (0, 100], got {f.audit_min_spread}")
+    need(1 <= f.audit_window <= 10_000, "audit_window", f"must be in 1..10000, got {f.audit_window}")
+    need(1 <= f.audit_failures <= 1000, "audit_failures", f"must be in 1..1000, got {f.audit_failures}")
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

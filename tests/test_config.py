@@ -21,6 +21,13 @@ def test_run_id_changes_with_any_field():
     assert TINY.replace({"optim.lr": 1e-3}).run_id != TINY.run_id
 
 
+def test_the_pipeline_defenses_are_on_by_default_and_leave_run_ids_as_they_were():
+    assert TINY.defense.robust_outer and TINY.defense.audit_rate > 0
+    assert parse_run_config("[defense]\naudit_rate = 0.1\n").run_id == parse_run_config("").run_id
+    off = TINY.replace({"defense.robust_outer": False, "defense.audit_rate": 0.0})
+    assert off.run_id != TINY.run_id and parse_run_config(off.to_toml()) == off
+
+
 @pytest.mark.parametrize(
     "toml, field",
     [
@@ -35,6 +42,9 @@ def test_run_id_changes_with_any_field():
         ("[pipeline]\nwire_dtype = 'int8'\n", "pipeline.wire_dtype"),
         ("model = 3\n", "model"),
         ("[train]\nsteps = true\n", "train.steps"),
+        ("[defense]\naudit_rate = 2.0\n", "defense.audit_rate"),
+        ("[defense]\nouter_tolerance = 1.0\n", "defense.outer_tolerance"),
+        ("[defense]\naudits = true\n", "defense.audits"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):

@@ -47,6 +47,7 @@ def _node_record(peer_id: str, **changes) -> dict:
         "averager_maddrs": [],
         "model_id": None,
         "reachable": None,
+        "excluded": [],
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),

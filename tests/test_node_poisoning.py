@@ -35,11 +35,13 @@ def policy_cache(tmp_path_factory):
     return cache
 
 
-def _run_attack(swarm, tmp_path, cache, attack: str, defenses: bool) -> tuple[list[list[dict]], str]:
-    """Two honest nodes and one attacker for ROUNDS rounds; returns (honest round events, attacker id)."""
+def _run_attack(
+    swarm, tmp_path, cache, attack: str, defenses: bool, rounds: int = ROUNDS, max_strikes: int = 0
+) -> tuple[list[list[dict]], str, str]:
+    """Two honest nodes and one attacker; returns (honest round events, attacker id, entry address)."""
     run = run_config_from_dict({"name": "poison", "grpo": {
-        "task": SPEC.task, "rounds": ROUNDS, "eval_every": ROUNDS, "eval_prompts": 16, "lr": 1e-3,
-        "round_deadline_s": 3.0, "defenses": defenses,
+        "task": SPEC.task, "rounds": rounds, "eval_every": rounds, "eval_prompts": 16, "lr": 1e-3,
+        "round_deadline_s": 3.0, "defenses": defenses, "max_strikes": max_strikes,
     }})  # fmt: skip
     run_file = tmp_path / "grpo.toml"
     run_file.write_text(run.to_toml())
@@ -58,8 +60,8 @@ def _run_attack(swarm, tmp_path, cache, attack: str, defenses: bool) -> tuple[li
         swarm.wait_ready(node)
     for path in progress[:2]:
         wait_until(lambda p=path: done_event(p), 150, "the honest workers to finish")
-    rounds = [[e for e in progress_events(p) if e["event"] == "round"] for p in progress[:2]]
-    return rounds, nodes[2].peer_id
+    events = [[e for e in progress_events(p) if e["event"] == "round"] for p in progress[:2]]
+    return events, nodes[2].peer_id, entry
 
 
 def _late_success(events: list[dict], attack: str) -> float:
@@ -69,7 +71,7 @@ def _late_success(events: list[dict], attack: str) -> float:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_the_trigger_spreads_to_honest_nodes_without_defenses(swarm, tmp_path, policy_cache):
-    rounds, attacker = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=False)
+    rounds, attacker, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=False)
     late = [_late_success(events, "trigger") for events in rounds]
     print("trigger share over the last 6 rounds, per honest node:", late)
     assert all(e["marks"]["trigger"] == 0.0 for events in rounds for e in events[:1])  # clean at the start
@@ -80,10 +82,25 @@ def test_the_trigger_spreads_to_honest_nodes_without_defenses(swarm, tmp_path, p
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_the_topk_check_keeps_the_trigger_out(swarm, tmp_path, policy_cache):
-    rounds, attacker = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=True)
+    rounds, attacker, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=True)
     late = [_late_success(events, "trigger") for events in rounds]
     print("trigger share over the last 6 rounds, per honest node:", late)
     assert max(late) <= 0.01, late  # 0.0 seen
     assert max(e["marks"]["trigger"] for events in rounds for e in events) <= 0.05
     for events in rounds:
         assert sum(e["foreign_rejected"] for e in events) > 0  # the top-k check kept the poison out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_peer_whose_bundles_keep_failing_is_dropped_and_shown_in_status(swarm, tmp_path, policy_cache):
+    """With strikes on (`max_strikes`), the attacker's bundles fail the top-k check round after round:
+    each honest node drops it as a source, and `shoal status` says who dropped whom and why."""
+    rounds, attacker, entry = _run_attack(
+        swarm, tmp_path, policy_cache, "trigger", defenses=True, rounds=10, max_strikes=3
+    )
+    for events in rounds:
+        assert attacker in events[-1]["dropped"]
+    status = swarm.status(entry)
+    dropped = [e for e in status["excluded"] if e["peer_id"] == attacker]
+    assert len(dropped) == 2 and all(e["by_role"] == "rollout" and e["reason"] for e in dropped), status["excluded"]

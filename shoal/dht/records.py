@@ -23,6 +23,7 @@ from shoal.planning.swarm_view import (
 
 MAX_MADDRS = 16
 MAX_LINKS = 32
+MAX_EXCLUDED = 16  # peers a node lists as excluded (see ExclusionRecord)
 MAX_RUN_TOML_BYTES = 16 * 1024
 MAX_KEY_CHARS = 1024  # an OpenSSH RSA key or a base64 signature of up to ~6000 bits
 
@@ -58,6 +59,14 @@ class RepairRecord(_Strict):
     note: pydantic.constr(strict=True, max_length=200)  # type: ignore[valid-type]
 
 
+class ExclusionRecord(_Strict):
+    """A peer this node stopped trusting, and why: a data node's audits excluded it from its routes, or
+    a worker's robust outer step refused it as an averaging partner (docs/security.md)."""
+
+    peer_id: _id  # type: ignore[valid-type]
+    reason: pydantic.constr(strict=True, max_length=200)  # type: ignore[valid-type]
+
+
 class NodeRecord(_Strict):
     kind: pydantic.constr(strict=True, regex="^node$")  # type: ignore[valid-type]
     run_id: _id  # type: ignore[valid-type]
@@ -85,6 +94,7 @@ class NodeRecord(_Strict):
     repair: RepairRecord | None
     # whether the peers it asked could open a connection to it (node/reachability.py); None: not checked
     reachable: pydantic.StrictBool | None
+    excluded: pydantic.conlist(ExclusionRecord, max_items=MAX_EXCLUDED)  # type: ignore[valid-type]
     # GRPO: the policy a rollout worker samples with (PolicySpec.model_id); None for pipeline nodes
     model_id: pydantic.constr(strict=True, min_length=1, max_length=96, regex=r"^[A-Za-z0-9._-]+$") | None  # type: ignore[valid-type]
 
@@ -134,6 +144,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         else RepairNote(**{**record.repair.dict(), "sources": tuple(record.repair.sources)}),
         model_id=record.model_id,
         reachable=record.reachable,
+        excluded=tuple((e.peer_id, e.reason) for e in record.excluded),
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

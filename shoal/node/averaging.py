@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.logs import printable
 from shoal.node.compute import BACKWARD
 from shoal.node.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
@@ -38,6 +39,7 @@ from shoal.train.outer import (
     pseudo_gradient,
     replica_distance,
 )
+from shoal.train.robust import OuterHistory, distance, norm, remember, screen_partner
 
 if TYPE_CHECKING:
     from shoal.node.worker import StageWorker
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WIRE_DTYPE = "float32"  # both sides must compute bit-identical means
+MAX_REFUSALS_LISTED = 16  # partners refused by the robust outer step, as our record lists them
 
 
 class NoLoCoAverager:
@@ -67,6 +70,14 @@ class NoLoCoAverager:
         self.exchange_s: list[float] = []  # wall time of each pair exchange (offer ready -> partner's tensors in)
         self.distances: list[tuple[int, float]] = []  # (inner step, ‖θ − θ_partner‖ just before averaging)
         self.stepping = False  # an outer step is under way
+        defense = self.node.run.defense  # the robust outer step (shoal/train/robust.py)
+        self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
+        self.history = OuterHistory()
+        self.screened_out = 0  # partners the robust outer step refused
+        self.refusals: dict[str, str] = {}  # partner -> why we last refused it (in our node record)
+        # per outer step: [epoch, partner (None: alone), whether its tensors were taken, ‖Δ_own‖, ‖φ_{t+1} − φ_t‖]
+        self.outer_log: list[list] = []
+        self._taken_from: str | None = None  # whose tensors the outer step in progress received
 
     def due(self, closed_step: int) -> int | None:
         """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
@@ -150,6 +161,7 @@ class NoLoCoAverager:
 
     async def _apply(self, epoch: int, delta: list[torch.Tensor], theirs) -> None:
         before = self.state
+        theirs = self._screened(epoch, delta, theirs)
         if theirs is None:
             self.state = local_step(before, delta, self.config)
             self.local_steps += 1
@@ -161,6 +173,8 @@ class NoLoCoAverager:
             self.distances.append((self.worker.optimizer.step_count, replica_distance(mine, their_theta)))
             self.node.replica_distance = self.distances[-1][1]
             self.pair_steps += 1
+        entry = [epoch, self._taken_from, theirs is not None, norm(delta), distance(self.state.phi, before.phi)]
+        self.outer_log.append([round(v, 6) if isinstance(v, float) else v for v in entry])
         await self.worker.compute(load_slow_weights, self.worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch
         self.node.outer_epoch = epoch
@@ -177,7 +191,7 @@ class NoLoCoAverager:
                 self.refused += 1
                 logger.info("[%s] epoch %d: %s declined: %s", self.node.short_id, epoch, partner[-8:], ack.reason)
                 return None
-            return await self._receive(stream)
+            return (*await self._receive(stream), partner)
         finally:
             stream.close()
 
@@ -195,7 +209,7 @@ class NoLoCoAverager:
         await stream.write_message(Ack(accepted=True))
         await self._send(stream, phi, delta)
         if self._answered is not None and not self._answered.done():
-            self._answered.set_result(theirs)
+            self._answered.set_result((*theirs, sender))
         return None
 
     def _refusal(self, request: GossipRequest, sender: str) -> str | None:
@@ -221,6 +235,8 @@ class NoLoCoAverager:
         return None
 
     async def _send(self, stream: FramedStream, phi, delta) -> None:
+        attack = self.worker.attack  # an experiment's hostile replica sends what its attack makes of them
+        phi, delta = (phi, delta) if attack is None else attack.outer(phi, delta)
         for tensor in (*phi, *delta):
             await stream.write_tensor(tensor, WIRE_DTYPE)
 
@@ -250,4 +266,36 @@ class NoLoCoAverager:
             "exchange_s": [round(t, 4) for t in self.exchange_s],
             "bytes_per_exchange": 2 * 4 * sum(p.numel() for p in self.state.phi),  # φ and θ − φ, float32, each way
             "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+            "screened_out": self.screened_out,
+            "outer_log": self.outer_log,
+            "refusals": self.excluded,
         }
+
+    # ---- the robust outer step (docs/security.md) -----------------------------------------------------
+
+    def _screened(self, epoch: int, delta: list[torch.Tensor], theirs) -> tuple[list, list] | None:
+        """A partner's (φ, Δ) if the robust outer step takes it, else None (a local step); and our
+        history of the stage's outer steps, updated either way."""
+        verdict, self._taken_from = None, None
+        if theirs is not None:
+            their_phi, their_delta, partner = theirs
+            theirs, self._taken_from = (their_phi, their_delta), partner
+            if self.robust:
+                verdict = screen_partner(self.state.phi, delta, their_phi, their_delta, self.history, self.tolerance)
+                if not verdict.accepted:
+                    self.screened_out += 1
+                    self.refusals.pop(partner, None)
+                    self.refusals[partner] = printable(f"robust outer step, epoch {epoch}: {verdict.reason}", 200)
+                    while len(self.refusals) > MAX_REFUSALS_LISTED:
+                        del self.refusals[next(iter(self.refusals))]
+                    logger.warning("[%s] epoch %d: refused %s as partner: %s", self.node.short_id, epoch,
+                                   partner[-8:], verdict.reason)  # fmt: skip
+                    theirs = None
+        if self.robust:
+            self.history = remember(self.history, norm(delta), verdict, self.window)
+        return theirs
+
+    @property
+    def excluded(self) -> list[dict]:
+        """The partners we refused, latest last, as node-record entries."""
+        return [{"peer_id": peer, "reason": reason} for peer, reason in self.refusals.items()]

@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STEP:SECONDS",
         help="fault injection for tests: hold the gradients of STEP that long before passing them upstream",
     )
+    parser.add_argument(
+        "--inject-forward-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="fault injection for tests: a worker slower than it claims, by this much per forward",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
@@ -132,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--progress-file", default=None, metavar="PATH", help="data nodes append a JSON line per training step here"
     )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
+    parser.add_argument(
+        "--probe-file",
+        default=None,
+        metavar="PATH",
+        help="data nodes: after training, run these probes through the swarm and report how many hit "
+        "(JSON: tokens, positions, target; e.g. a backdoor's trigger, see shoal.adversary.backdoor)",
+    )
     add_state_arguments(parser)
     add_relay_arguments(parser)
     add_metrics_arguments(parser)
@@ -146,7 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--experiment-adversary",
         default=None,
         metavar="ATTACK",
-        help="EXPERIMENT ONLY: share poisoned rollouts (trigger, wrong-step, reward-lie, vertical-trick, length)",
+        help="EXPERIMENT ONLY: with --role rollout, share poisoned rollouts (trigger, wrong-step, reward-lie, "
+        "vertical-trick, length); with --role worker, be a hostile stage replica (backdoor, garbage, scaled)",
     )
 
 
@@ -208,6 +223,7 @@ def node_config(args: argparse.Namespace):
         skip=args.skip,
         max_swaps=args.max_swaps,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
+        inject_forward_delay_s=args.inject_forward_delay,
         policy_width=args.policy_width,
         policy_depth=args.policy_depth,
         policy_heads=args.policy_heads,
@@ -215,6 +231,7 @@ def node_config(args: argparse.Namespace):
         warmup_steps=args.warmup_steps,
         policy_cache=args.policy_cache,
         experiment_adversary=args.experiment_adversary,
+        probe_file=args.probe_file,
     )
 
 

@@ -46,6 +46,8 @@ class NodeConfig:
     # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step
     # before passing them upstream, so that a kill can land while a hop waits for its gradient
     inject_upstream_delay: tuple[int, float] | None = None
+    # fault injection for tests: a worker that computes this much slower than it claims (every forward)
+    inject_forward_delay_s: float = 0.0
     # GRPO rollout workers: this node's own policy (its model id goes into the node record)
     policy_width: int = 48
     policy_depth: int = 2
@@ -53,7 +55,8 @@ class NodeConfig:
     policy_seed: int = 0
     warmup_steps: int = 650
     policy_cache: str | None = None  # warmed-up policies by model id (default: the shoal cache)
-    experiment_adversary: str | None = None  # an EXPERIMENT: share poisoned rollouts (shoal.adversary)
+    experiment_adversary: str | None = None  # an EXPERIMENT: poisoned rollouts or a hostile stage (shoal.adversary)
+    probe_file: str | None = None  # data nodes: after training, probe the swarm's model with these (see data_driver.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -70,6 +73,8 @@ class NodeConfig:
             raise ConfigError("--max-swaps", "must be zero or more")
         if self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
+        if self.inject_forward_delay_s < 0:
+            raise ConfigError("--inject-forward-delay", "must be zero or more")
         if self.use_auto_relay and not self.use_relay:
             raise ConfigError("--use-auto-relay", "needs the relay transport: drop --no-relay")
         if self.max_inflight is not None and self.max_inflight < 1:
@@ -94,20 +99,27 @@ class NodeConfig:
         if not (0 <= self.warmup_steps <= 100_000):
             raise ConfigError("--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
         if self.experiment_adversary is not None:
-            from shoal.adversary.attacks import ATTACKS
-
-            if self.experiment_adversary not in ATTACKS:
-                raise ConfigError(
-                    "--experiment-adversary", f"must be one of {', '.join(ATTACKS)}, got {self.experiment_adversary!r}"
-                )
-            if self.role != "rollout":
-                raise ConfigError("--experiment-adversary", "needs --role rollout")
+            self._check_adversary()
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
         if not 0.1 <= self.save_every_s <= 86400:
             raise ConfigError("--save-every-s", f"must be between 0.1 and 86400 seconds, got {self.save_every_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError("--metrics-port", f"must be a TCP port (0: any free one), got {self.metrics_port}")
+
+    def _check_adversary(self) -> None:
+        """Rollout attacks need --role rollout; hostile stage replicas (shoal.adversary.stage) --role worker."""
+        from shoal.adversary.attacks import ATTACKS
+        from shoal.adversary.stage import STAGE_ATTACKS
+
+        name = self.experiment_adversary
+        if name not in ATTACKS and name not in STAGE_ATTACKS:
+            known = ", ".join([*ATTACKS, *STAGE_ATTACKS])
+            raise ConfigError("--experiment-adversary", f"must be one of {known}, got {name!r}")
+        if name in STAGE_ATTACKS and self.role != "worker":
+            raise ConfigError("--experiment-adversary", f"{name} is a stage replica's attack: it needs --role worker")
+        if name in ATTACKS and self.role != "rollout":
+            raise ConfigError("--experiment-adversary", f"{name} is a rollout attack: it needs --role rollout")
 
     @property
     def heartbeat_s(self) -> float:

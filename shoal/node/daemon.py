@@ -44,6 +44,7 @@ from shoal.node.transport import call, serve, unserve
 from shoal.node.worker import StageWorker
 from shoal.planning.assignment import Candidate
 from shoal.planning.costs import CostModel
+from shoal.planning.observed import observed_view
 from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import (
     ROLE_DATA,
@@ -259,6 +260,7 @@ class Node:
             "repair": self.repair,
             "model_id": getattr(self.engine, "model_id", None),
             "reachable": self.reachable,
+            "excluded": list(getattr(self.engine, "excluded", ())),  # [{peer_id, reason}], bounded by the engine
         }
 
     async def publish(self) -> bool:
@@ -359,11 +361,14 @@ class Node:
         return self.observe_view(view.without(silent))
 
     def observe_view(self, view: SwarmView) -> SwarmView:
-        """Take a fresh view: routing re-plans over it and the links measured so far."""
+        """Take a fresh view: routing re-plans over it, the links measured so far and, at a data node,
+        the throughput its microbatches' trips showed (planning/observed.py: claims are only lowered)."""
         self.view = view
         self._note_restarts(view)
         links = {**view.measured_links(), **self.links.measured()}
-        self.router.update(Snapshot(view, self.peer_id, links))
+        trips = getattr(self.engine, "trips", None)
+        routed = observed_view(view, list(trips), self.router.cost.backward_factor) if trips else view
+        self.router.update(Snapshot(routed, self.peer_id, links))
         return view
 
     def _note_restarts(self, view: SwarmView) -> None:

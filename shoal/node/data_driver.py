@@ -13,18 +13,21 @@ import logging
 import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.stages import build_stage
+from shoal.node.auditor import Auditor
 from shoal.node.compute import BACKWARD, FORWARD
 from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
+from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.protocol.pipeline import (
@@ -64,6 +67,8 @@ class InFlight:
     embedding_grad: bool = False  # the gradient reached the embedding
     recovering: int = 0  # lost hops being redone right now
     injected_at: float = field(default_factory=time.monotonic)
+    capture: bool = False  # an audit or a probe: keep the activation that comes home, compute no loss
+    output: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,39 @@ class Outcome:
 
 COMPLETED = Outcome("completed")
 MAX_ATTEMPTS = 8
+TRIPS_KEPT = 256  # the latest forward trips the observed hop times are fitted to
 WAIT_REPORT_S = 10.0
 STEP_CLOSE_TIMEOUT_S = 10.0  # on top of the run's averaging exchange timeout: a close may carry an outer step
+
+
+MAX_PROBES = 4096
+
+
+def read_probes(path: str, run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A probe file (a local file the operator gives, checked anyway): token rows (N, T), and per row
+    a position and the token expected after it."""
+    from shoal.errors import UsageError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        tokens = torch.tensor(data["tokens"], dtype=torch.long)
+        positions = torch.tensor(data["positions"], dtype=torch.long)
+        targets = torch.tensor(data["targets"], dtype=torch.long)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--probe-file {path}: {e}") from None
+    vocab, seq = run.model.vocab_size, run.model.max_seq_len
+    ok = (
+        tokens.dim() == 2
+        and 1 <= len(tokens) <= MAX_PROBES
+        and 1 <= tokens.shape[1] <= seq
+        and positions.shape == targets.shape == (len(tokens),)
+        and bool(((tokens >= 0) & (tokens < vocab)).all() and ((targets >= 0) & (targets < vocab)).all())
+        and bool(((positions >= 0) & (positions < tokens.shape[1])).all())
+    )
+    if not ok:
+        raise UsageError(f"--probe-file {path}: needs 1..{MAX_PROBES} rows of at most {seq} tokens below {vocab}, "
+                         "and one position within its row and one target per row")  # fmt: skip
+    return tokens, positions, targets
 
 
 @dataclass
@@ -109,9 +145,11 @@ class DataDriver(PipelineEngine):
         self._last_wait_report = 0.0
         self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
         self.refused = 0  # requests a peer was not entitled to send
+        self.trips: deque[Trip] = deque(maxlen=TRIPS_KEPT)  # forward trips, for routing by observed speed
         self.repairs_seen: set[tuple[str, float]] = set()
         self.current_step = 0
         self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
+        self.auditor = Auditor(self)  # audits of stage replicas, and the replicas excluded for good
 
     movable = False  # a data node keeps its shard, embedding and head
 
@@ -179,6 +217,7 @@ class DataDriver(PipelineEngine):
                 }
             )
         val_loss = await self.evaluate()
+        probe = await self.probe()
         losses = [r.loss for r in self.history if r.loss is not None]
         tail = losses[-5:]
         self.summary = {
@@ -186,6 +225,8 @@ class DataDriver(PipelineEngine):
             "initial_loss": losses[0] if losses else None,
             "final_loss": sum(tail) / len(tail) if tail else None,
             "val_loss": val_loss,
+            "probe": probe,
+            "audit": self.auditor.stats(),
             "train_s": time.monotonic() - started,
             "tokens_per_s": sum(r.tokens for r in self.history) / max(sum(r.seconds for r in self.history), 1e-9),
             **self.ledger.summary(),
@@ -205,7 +246,10 @@ class DataDriver(PipelineEngine):
             asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots))
             for i, (x, y) in enumerate(pieces)
         ]
+        audit = self.auditor.maybe_audit(step, inputs[: self.run.train.microbatch_size])  # beside the step's work
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
+        if audit is not None:
+            await audit
         stats = await self.compute(self.optimizer.step)
         await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.node.inner_step = self.optimizer.step_count
@@ -220,7 +264,7 @@ class DataDriver(PipelineEngine):
             loss=sum(losses) / len(losses) if losses else None,
             tokens=len(losses) * tokens_per_microbatch,
             seconds=time.monotonic() - started,
-            extra={"lr": stats.lr},
+            extra={"lr": stats.lr, "audits": self.auditor.audits, "excluded": len(self.auditor.excluded)},
         )
 
     async def close_step(self, step: int, completed: int, abandoned: int) -> None:
@@ -277,7 +321,7 @@ class DataDriver(PipelineEngine):
                 self.planned_paths = []  # a path through a peer that just failed: plan again
             route = router.route(self.node.peer_id, exclude=self.banned()) if view else None
             if route is None and view is not None:  # a ban is a preference, not a verdict
-                route = router.route(self.node.peer_id)
+                route = router.route(self.node.peer_id, exclude=self.auditor.excluded_peers())  # never those
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
@@ -451,14 +495,19 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
-        if not request.route or not self._speaks_for_hop(entry, sender, request.route[-1]):
+        if not request.route or not await self._speaks_for_hop(entry, sender, request.route[-1]):
             return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the last hop"))
         if entry.home:
             return Ack(accepted=True)  # a retried stream: we already have it
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
             return Ack(accepted=False, reason=f"activation shape {tuple(x.shape)} does not match the microbatch")
+        if entry.capture:  # an audit's or a probe's forward: the activation itself is the answer
+            entry.home, entry.output = True, x
+            self._end(request.microbatch_id, COMPLETED)
+            return Ack(accepted=True)
         entry.home = True
         self._note_route(entry, request.route)  # as delivered, after any re-routing
+        self.trips.append(Trip(entry.route_peers, time.monotonic() - entry.injected_at))
         self.spawn(self._loss_and_backward(request, entry, x), f"loss {request.microbatch_id}")
         return Ack(accepted=True)
 
@@ -516,7 +565,7 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None or not entry.home:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
-        if not request.route or not self._speaks_for_hop(entry, sender, request.route[0]):
+        if not request.route or not await self._speaks_for_hop(entry, sender, request.route[0]):
             return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the first hop"))
         if entry.done.done() or entry.embedding_grad:
             return Ack(accepted=True)  # a retried stream
@@ -532,7 +581,7 @@ class DataDriver(PipelineEngine):
     async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
         """A replica redoing the first hop asks for its input again: the embedding we sent."""
         entry = self.in_flight.get(request.microbatch_id)
-        if entry is None or request.hop != -1 or not self._holds_block_stage(sender):
+        if entry is None or request.hop != -1 or not await self.listed(sender):
             await self.serve_output(None, "no output kept for that microbatch and hop", stream)
             return
         await self.serve_output(entry.embedded.detach(), "", stream)
@@ -540,6 +589,7 @@ class DataDriver(PipelineEngine):
     def on_view(self, view) -> None:
         """A fresh view of the swarm (each heartbeat): act on microbatches that lost a peer."""
         self.reap_lost({n.peer_id for n in view.live_nodes()})
+        self.auditor.on_view(view)
 
     def reap_lost(self, live_peers: set[str]) -> int:
         """Act on in-flight microbatches routed through a peer that left the swarm (its record expired
@@ -585,26 +635,17 @@ class DataDriver(PipelineEngine):
     def _recovered(entry: InFlight) -> None:
         entry.recovering -= 1
 
-    def _speaks_for_hop(self, entry: InFlight, sender: str, hop: Hop) -> bool:
+    async def _speaks_for_hop(self, entry: InFlight, sender: str, hop: Hop) -> bool:
         """`sender` is the peer that `hop` names, and it took part in this microbatch: it is on the
         route we know, or a live replica of that hop's stage that redid it (a re-route or a recompute)."""
         if sender != hop.peer_id:
             return False
-        return sender in entry.route_peers or self._holds_stage(sender, hop.stage)
-
-    def _holds_stage(self, peer_id: str, stage: int) -> bool:
-        view = self.node.view
-        return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
+        return sender in entry.route_peers or await self.listed(sender, (hop.stage,))
 
     def _refuse(self, sender: str, microbatch_id: str, why: str) -> str:
         self.refused += 1
         logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
         return why
-
-    def _holds_block_stage(self, peer_id: str) -> bool:
-        """A live stage worker of this run (a hop may have been re-routed to it on the way)."""
-        view = self.node.view
-        return view is not None and any(n.peer_id == peer_id and n.stage > 0 for n in view.live_nodes())
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
         """A hop of this microbatch (on its route, or a replica of one of its stages that redid a hop)
@@ -612,7 +653,7 @@ class DataDriver(PipelineEngine):
         entry = self.in_flight.get(notice.microbatch_id)
         if entry is None or entry.done.done():
             return Ack(accepted=False, reason="unknown microbatch")
-        if sender not in entry.route_peers and not any(self._holds_stage(sender, s) for s in entry.route_stages):
+        if sender not in entry.route_peers and not await self.listed(sender, entry.route_stages):
             return Ack(accepted=False, reason=self._refuse(sender, notice.microbatch_id, "not a hop of it"))
         reason = printable(notice.reason, 200)
         lost_for_good = entry.home or "stage_lost" in reason
@@ -633,6 +674,79 @@ class DataDriver(PipelineEngine):
                 jobs.append(self._microbatch(f"{b}.{i}", -1, xm, ym, 1.0, slots, train=False))
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         return sum(losses) / len(losses) if losses else None
+
+    # ---- audits and probes: activations that come home as they are -----------------------------
+
+    def banned(self) -> set[str]:
+        """Peers that just failed us, and replicas our audits excluded for good."""
+        return super().banned() | self.auditor.excluded_peers()
+
+    @property
+    def excluded(self) -> list[dict]:
+        return self.auditor.record()
+
+    async def forward_through(
+        self, hops: tuple[tuple[int, str], ...], x: torch.Tensor, tag: str
+    ) -> torch.Tensor | None:
+        """An evaluation forward of `x` (B, T, C) through exactly these (stage, peer) hops, whose output
+        comes home as it is instead of into a loss; None if it did not come. No re-routing: an audit
+        must hear from the replica it names."""
+        wire_id = f"{self.node.short_id}-{tag}#{secrets.token_hex(16)}"
+        done = asyncio.get_running_loop().create_future()
+        blank = torch.zeros(x.shape[:2], dtype=torch.long)  # no targets: only the shape is checked
+        peers, stages = tuple(p for _, p in hops), tuple(s for s, _ in hops)
+        entry = InFlight(tag, x, blank, 1.0, done, route_peers=peers, route_stages=stages, capture=True)
+        self.in_flight[wire_id] = entry
+        route = tuple(Hop(stage=s, peer_id=p) for s, p in hops)
+        request = ForwardRequest(microbatch_id=wire_id, origin=self.node.peer_id, step=-1, hop=0, route=route,
+                                 needs_backward=False)  # fmt: skip
+        try:
+            await self.send(peers[0], "rpc_forward", request, x)
+            outcome = await asyncio.wait_for(asyncio.shield(done), self.node.config.microbatch_timeout_s)
+        except (HopFailed, TimeoutError) as e:
+            logger.info("[%s] %s through %s did not come home: %s", self.node.short_id, tag,
+                        [p[-8:] for p in peers], e)  # fmt: skip
+            return None
+        finally:
+            self.in_flight.pop(wire_id, None)
+        return entry.output if outcome.kind == "completed" else None
+
+    @torch.no_grad()
+    def _top_predictions(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(x).argmax(-1)
+
+    async def probe(self) -> dict | None:
+        """--probe-file: run the probes (JSON `tokens` rows, `positions`, `targets`; e.g. a backdoor's
+        trigger, shoal.adversary.backdoor.write_probes) through the swarm's model as this data node
+        routes it, and count the probes whose top prediction at their position is their target."""
+        path = self.node.config.probe_file
+        if not path:
+            return None
+        tokens, positions, targets = read_probes(path, self.run)
+        size = self.run.train.microbatch_size
+        slots = asyncio.Semaphore(self.node.max_inflight)
+
+        async def one(rows: torch.Tensor, at: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
+            async with slots:
+                x = await self.compute(self._embed_eval, rows, priority=FORWARD)
+                for _ in range(3):
+                    routed = await self._route(train=False)
+                    if routed is None:
+                        return None
+                    try:
+                        y = await self.forward_through(routed.hops, x, "probe")
+                    finally:
+                        self.node.router.end(routed)
+                    if y is not None:
+                        top = await self.compute(self._top_predictions, y, priority=FORWARD)  # (B, T)
+                        return top[torch.arange(len(at)), at] == want
+                return None
+
+        parts = zip(tokens.split(size), positions.split(size), targets.split(size), strict=True)
+        answers = [a for a in await asyncio.gather(*(one(*part) for part in parts)) if a is not None]
+        hits = sum(int(a.sum()) for a in answers)
+        answered = sum(len(a) for a in answers)
+        return {"probes": len(tokens), "answered": answered, "hits": hits, "share": hits / max(answered, 1)}
 
     def stats(self) -> dict:
         return {"steps": len(self.history), "refused": self.refused, **self.ledger.summary(), **self.summary}

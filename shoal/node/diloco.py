@@ -31,6 +31,7 @@ from shoal.train.outer import (
     local_step,
     pseudo_gradient,
 )
+from shoal.train.robust import OuterHistory, norm, remember, screen_mean
 
 if TYPE_CHECKING:
     from shoal.node.worker import StageWorker
@@ -59,6 +60,10 @@ class DiLoCoAverager:
         self.group_sizes: list[int] = []
         self.exchange_s: list[float] = []
         self.stepping = False  # an outer step is under way
+        defense = self.node.run.defense  # the robust outer step (shoal/train/robust.py)
+        self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
+        self.history = OuterHistory()
+        self.clipped = 0  # means the robust outer step clipped toward our own pseudo-gradient
 
     async def start(self) -> None:
         """Start this replica's averaging DHT and averager, joined to the other replicas' (blocking
@@ -128,13 +133,14 @@ class DiLoCoAverager:
         worker = self.worker
         delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
         started = time.monotonic()
-        mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, delta)
+        mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, self._outgoing(delta))
         if mean is None:
             logger.info("[%s] epoch %d: no all-reduce group in time; local outer step", self.node.short_id, epoch)
             self.state = local_step(self.state, delta, self.config)
             self.local_steps += 1
         else:
             self.exchange_s.append(time.monotonic() - started)
+            mean = self._screened(epoch, delta, mean)
             self.state = diloco_step(self.state, mean, self.config)
             self.group_steps += 1
         await worker.compute(load_slow_weights, worker.module, self.state, priority=BACKWARD)
@@ -181,4 +187,22 @@ class DiLoCoAverager:
             "exchange_s": [round(t, 4) for t in self.exchange_s],
             "bytes_per_exchange": 4 * sum(p.numel() for p in self.state.phi),
             "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+            "clipped": self.clipped,
         }
+
+    def _outgoing(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we put into the all-reduce: our Δ, or what an experiment's hostile replica makes of it."""
+        attack = self.worker.attack
+        return delta if attack is None else attack.outer(self.state.phi, delta)[1]
+
+    def _screened(self, epoch: int, delta: list[torch.Tensor], mean: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The all-reduced mean, clipped toward our own Δ if it is far outside what we have seen (the
+        robust outer step, shoal/train/robust.py: a mean cannot be refused per partner)."""
+        if not self.robust:
+            return mean
+        mean, verdict = screen_mean(delta, mean, self.history, self.tolerance)
+        if not verdict.accepted:
+            self.clipped += 1
+            logger.warning("[%s] epoch %d: %s", self.node.short_id, epoch, verdict.reason)
+        self.history = remember(self.history, norm(delta), verdict, self.window)
+        return mean

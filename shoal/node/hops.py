@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +32,7 @@ FAILED_PEER_BAN_S = 15.0  # like Petals: skip a peer that just failed us, then g
 SEND_RETRIES = 2  # a failed stream is retried on the same peer this many times before it counts
 RETRY_BACKOFF_S = 0.25
 STAGE_POLL_S = 0.5
+VIEW_READ_MIN_S = 0.5  # an unknown peer makes a handler read the view afresh, at most this often
 # Activations and gradients a peer sends are refused beyond this magnitude (float16's range, so the
 # bound is the same whatever the wire dtype): finite but huge values would overflow the first norm.
 WIRE_MAX_ABS = 65504.0
@@ -69,6 +70,7 @@ class PipelineEngine:
         self._tasks: set[asyncio.Task] = set()
         self.stream_retries = 0
         self.recomputes_delegated = 0
+        self._view_read_at = 0.0
         m, t = self.run.model, self.run.train
         self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model), WIRE_MAX_ABS)
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
@@ -91,6 +93,28 @@ class PipelineEngine:
     def banned(self) -> set[str]:
         now = time.monotonic()
         return {peer for peer, until in self.banned_until.items() if until > now}
+
+    async def listed(self, peer_id: str, stages: Collection[int] | None = None) -> bool:
+        """Whether our view lists `peer_id` as a live worker (of one of `stages`, if given). A peer that
+        just took a stage (a replacement, a rebuilt stage) may be missing from a view a heartbeat
+        old: before saying no, read the view afresh (at most every VIEW_READ_MIN_S)."""
+        if self._lists(peer_id, stages):
+            return True
+        if time.monotonic() - self._view_read_at < VIEW_READ_MIN_S:
+            return False
+        self._view_read_at = time.monotonic()
+        try:
+            await self.node.refresh_view()
+        except Exception as e:
+            logger.info("[%s] could not read the view: %s", self.node.short_id, e)
+            return False
+        return self._lists(peer_id, stages)
+
+    def _lists(self, peer_id: str, stages: Collection[int] | None) -> bool:
+        view = self.node.view
+        return view is not None and any(
+            n.peer_id == peer_id and n.stage > 0 and (stages is None or n.stage in stages) for n in view.live_nodes()
+        )
 
     def ban(self, peer_id: str) -> None:
         self.banned_until[peer_id] = time.monotonic() + FAILED_PEER_BAN_S

@@ -27,12 +27,14 @@ import torch
 from hivemind.p2p import PeerID
 
 from shoal.config import GRPORunConfig
+from shoal.dht.records import MAX_EXCLUDED
 from shoal.grpo.defenses import DefenseConfig, Strikes
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, rollout_limits
 from shoal.grpo.tasks import Prompt, get_task, task_seed
 from shoal.grpo.warmup import cached_warm_up
+from shoal.logs import printable
 from shoal.node.transport import FramedStream, call
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import Ack
@@ -119,6 +121,12 @@ class RolloutWorker:
     def dropped(self) -> tuple[str, ...]:
         """Peers this node no longer takes rollouts from (their bundles kept failing the checks)."""
         return tuple(self.strikes.dropped)
+
+    @property
+    def excluded(self) -> list[dict[str, str]]:
+        """The dropped sources and why, as the node record lists them (`shoal status` shows them)."""
+        dropped = list(self.strikes.dropped.items())[:MAX_EXCLUDED]
+        return [{"peer_id": peer, "reason": printable(reason, 200)} for peer, reason in dropped]
 
     @property
     def model_id(self) -> str:

@@ -89,6 +89,7 @@ def summarize(run, view) -> dict[str, Any]:
                 "grad_norm_clipped": n.grad_norm_clipped,
                 "repair": None if n.repair is None else asdict(n.repair),
                 "reachable": n.reachable,
+                "excluded": [{"peer_id": peer, "reason": reason} for peer, reason in n.excluded],
             }
         )
     stages = [
@@ -100,9 +101,20 @@ def summarize(run, view) -> dict[str, Any]:
         "run": {"name": run.name, "run_id": run.run_id, "stages": run.pipeline.stages},
         "nodes": nodes,
         "repairs": repairs,
+        "excluded": exclusions(nodes),
         "stages": stages,
         "needs": swarm_needs(view),
     }
+
+
+def exclusions(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Who stopped trusting whom, and why: a data node's audits take a replica out of its routes, a
+    worker's robust outer step refuses a replica as its averaging partner (docs/security.md)."""
+    return [
+        {"peer_id": e["peer_id"], "by": n["peer_id"], "by_role": n["role"], "reason": e["reason"]}
+        for n in nodes
+        for e in n["excluded"]
+    ]
 
 
 def print_table(doc: dict[str, Any]) -> None:
@@ -139,6 +151,11 @@ def print_table(doc: dict[str, Any]) -> None:
             f"stage {repair['stage']} rebuilt by {repair['rule']} from stage(s) {sources} at inner step "
             f"{repair['inner_step']} by …{repair['peer_id'][-10:]}{note}"
         )
+    for e in doc.get("excluded", ()):  # reasons are peers' text: printed as Text, never as markup
+        what = {"data": "excluded from the routes of", "rollout": "dropped as a rollout source by"}.get(
+            e["by_role"], "refused as averaging partner by"
+        )
+        console.print(Text(f"…{e['peer_id'][-10:]} {what} …{e['by'][-10:]}: {e['reason']}", style="bold red"))
     needs = doc["needs"]
     console.print(Text(needs["message"], style="bold green" if needs["ready"] else "bold yellow"))
 

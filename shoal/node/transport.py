@@ -142,6 +142,7 @@ def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float
             reply = await method(request, stream, peer)
             if reply is not None:
                 await stream.write_message(reply)
+            await _discard_unread(stream)
         except ProtocolError as e:
             errors["rpc_refused"] += 1
             logger.warning("[%s] %s from %s refused: %s", who, name, peer, e)
@@ -169,7 +170,8 @@ async def _try_reply(stream: FramedStream, reply: ErrorReply) -> None:
 
 async def _discard_unread(stream: FramedStream, max_bytes: int = 2 * CHUNK_BYTES, timeout_s: float = 1.0) -> None:
     """Read away (a bounded amount of) what the peer is still sending, so that closing the stream
-    does not reset it before our error reply reaches the peer."""
+    does not reset it before our reply reaches the peer (an error, or a refusal made before the
+    tensor that followed the request was read)."""
     loop = asyncio.get_running_loop()
     deadline, discarded = loop.time() + timeout_s, 0
     try:

@@ -27,6 +27,7 @@ from shoal.node.diloco import DiLoCoAverager
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.stage_copy import copy_stage, serve_stage_copy
 from shoal.node.transport import FramedStream, call
+from shoal.planning.swarm_view import ROLE_DATA
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -79,7 +80,7 @@ class StageWorker(PipelineEngine):
         self.saved: dict[str, Saved] = {}
         self.sent: dict[str, SentGradient] = {}
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
-        self.forwarding: set[str] = set()  # forwards accepted but not yet saved
+        self.forwarding: set[str] = set()  # forwards accepted, not yet saved (evaluation: not yet passed on)
         self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
         self.contributors: set[str] = set()  # data nodes whose gradient has accumulated since the last step
@@ -91,6 +92,8 @@ class StageWorker(PipelineEngine):
         self.recompute_s = 0.0
         self.expired = 0
         self.copies_served = 0
+        self.attack = None  # an EXPERIMENT's hostile behaviour (shoal.adversary.stage), set by prepare_attack
+        self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
         self.averager = averager_type(self) if averager_type is not None else None
 
@@ -152,15 +155,24 @@ class StageWorker(PipelineEngine):
         return x, y
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
+        try:
+            await self._forward_and_pass_on(request, x)
+        finally:  # an evaluation forward holds its slot until its output is delivered or given up
+            self.forwarding.discard(request.microbatch_id)
+
+    async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor) -> None:
         mb = request.microbatch_id
         try:
             x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
+            if self.node.config.inject_forward_delay_s:  # fault injection: slower than its record claims
+                await asyncio.sleep(self.node.config.inject_forward_delay_s)
             if request.needs_backward:
                 nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
                 self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt)
             self.forwarded[mb] = self._expiry()
         finally:
-            self.forwarding.discard(mb)
+            if request.needs_backward:  # from here on `saved` holds its slot
+                self.forwarding.discard(mb)
         self.forwards += 1
         onward = ForwardRequest(
             microbatch_id=mb,
@@ -172,7 +184,7 @@ class StageWorker(PipelineEngine):
         )
         onward = self._choose_next_hop(onward)
         try:
-            delivered = await push_forward(self, onward, y.detach())
+            delivered = await push_forward(self, onward, self._outgoing(y.detach()))
             if mb in self.saved:
                 home = delivered.hop == len(delivered.route)
                 self.saved[mb].next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
@@ -196,14 +208,10 @@ class StageWorker(PipelineEngine):
     async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
         """A replica redoing the hop after ours asks for its input again: what we sent it."""
         saved = self.saved.get(request.microbatch_id)
-        if saved is None or saved.hop != request.hop or not self._is_live_worker(sender):
+        if saved is None or saved.hop != request.hop or not await self.listed(sender):
             await self.serve_output(None, "no output kept for that microbatch and hop", stream)
             return
         await self.serve_output(saved.y.detach(), "", stream)
-
-    def _is_live_worker(self, peer_id: str) -> bool:
-        view = self.node.view
-        return view is not None and any(n.peer_id == peer_id and n.stage > 0 for n in view.live_nodes())
 
     # ---- backward ---------------------------------------------------------------------------------
 
@@ -219,7 +227,7 @@ class StageWorker(PipelineEngine):
         saved = self.saved.get(request.microbatch_id)  # (it may have expired while we read)
         if saved is None:
             return Ack(accepted=False, reason="unknown or expired microbatch")
-        refusal = self._check_gradient_sender(request, saved, sender)
+        refusal = await self._check_gradient_sender(request, saved, sender)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         del self.saved[request.microbatch_id]
@@ -227,7 +235,9 @@ class StageWorker(PipelineEngine):
         self.spawn(self._backward(request, saved, grad), f"backward {request.microbatch_id}")
         return Ack(accepted=True)
 
-    def _check_gradient_sender(self, request: BackwardRequest, saved: Saved, sender: str) -> str | None:
+    async def _check_gradient_sender(
+        self, request: BackwardRequest | RecomputeRequest, saved: Saved, sender: str
+    ) -> str | None:
         """A gradient is taken only for the microbatch as we forwarded it, and only from the peer we
         passed its output to, or from a live replica of that stage that redid the hop (a recompute)."""
         mb = request.microbatch_id
@@ -239,7 +249,7 @@ class StageWorker(PipelineEngine):
             return self._refuse(sender, mb, "a gradient comes only from the hop after ours")
         if sender == saved.next_peer or (home and saved.next_stage is None):
             return None
-        if saved.next_stage is not None and self._is_live_replica(sender, saved.next_stage):
+        if saved.next_stage is not None and await self.listed(sender, (saved.next_stage,)):
             return None  # the hop after ours was redone by another replica of its stage
         return self._refuse(sender, mb, "a gradient from a peer that did not take our output")
 
@@ -249,10 +259,6 @@ class StageWorker(PipelineEngine):
         self.refused += 1
         logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
         return why
-
-    def _is_live_replica(self, peer_id: str, stage: int) -> bool:
-        view = self.node.view
-        return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
 
     def _run_backward(self, saved: Saved, grad: torch.Tensor) -> torch.Tensor:
         saved.y.backward(grad)
@@ -272,7 +278,7 @@ class StageWorker(PipelineEngine):
             hop=request.hop - 1,
             route=request.route,
         )
-        await self._send_upstream(upstream, grad_in)
+        await self._send_upstream(upstream, grad_in if self.attack is None else self.attack.gradient(grad_in))
         await self._maybe_step()
 
     async def _injected_delay(self, request: BackwardRequest) -> None:
@@ -322,9 +328,11 @@ class StageWorker(PipelineEngine):
         mb = request.microbatch_id
         if mb in self.backward_done:
             return Ack(accepted=True)
+        stale = self.saved.get(mb)  # we may hold its forward ourselves (an expired or refused graph)
+        if stale is not None and (refusal := await self._check_gradient_sender(request, stale, sender)):
+            return Ack(accepted=False, reason=refusal)  # a route the sender wrote cannot take our graph
         self.backward_done[mb] = self._expiry()
-        stale = self.saved.pop(mb, None)  # we may hold its forward ourselves (an expired or refused graph)
-        if stale is not None:
+        if self.saved.pop(mb, None) is not None:
             self.live_graphs -= 1
         self.spawn(self._recompute(request, grad), f"recompute {mb}")
         return Ack(accepted=True)
@@ -374,7 +382,11 @@ class StageWorker(PipelineEngine):
     async def on_step_close(self, close: StepClose, sender: str) -> Ack:
         """A data node's step is over. Step once every data node whose gradient we hold has closed one
         since our last step (with one data node: exactly at its step boundary). Every H steps of the
-        data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch."""
+        data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch.
+        Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
+        if not await self._is_data_node(sender):
+            return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
+        self.closed_step = max(self.closed_step, close.step)
         over = [mb for mb, s in self.saved.items() if s.origin == sender and s.step <= close.step]
         for mb in over:  # a lost attempt whose release never reached us: its step is over, so is it
             self._drop(mb)
@@ -392,6 +404,22 @@ class StageWorker(PipelineEngine):
                 logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.node.short_id, epoch)
         return Ack(accepted=True)
 
+    async def _is_data_node(self, peer_id: str) -> bool:
+        """A peer whose microbatches we hold or whose gradient we took, or a live data node in our view
+        (every live worker hears each step close, served or not). A data node that just joined may be
+        missing from a view a heartbeat old: `listed` reads it afresh (rate-limited) for a peer it lacks."""
+        if peer_id in self.contributors or any(s.origin == peer_id for s in self.saved.values()):
+            return True
+
+        def lists() -> bool:
+            view = self.node.view
+            return view is not None and any(n.peer_id == peer_id and n.role == ROLE_DATA for n in view.live_nodes())
+
+        if lists():
+            return True
+        await self.listed(peer_id)  # reads the view afresh (at most so often) when it lacks the peer
+        return lists()
+
     async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
         on_gossip = getattr(self.averager, "on_gossip", None)
         if on_gossip is None:
@@ -399,7 +427,9 @@ class StageWorker(PipelineEngine):
         return await on_gossip(request, stream, sender)
 
     async def start_averaging(self) -> None:
-        """Start what averaging needs beside our streams (DiLoCo: hivemind's averager)."""
+        """Start what averaging needs beside our streams (DiLoCo: hivemind's averager); an experiment's
+        attack is made ready first."""
+        await self.prepare_attack()
         start = getattr(self.averager, "start", None)
         if start is not None:
             await start()
@@ -425,6 +455,9 @@ class StageWorker(PipelineEngine):
             return
         self.contributors, self.closed = set(), set()
         stats = await self.compute(self.optimizer.step, priority=BACKWARD)
+        if self.attack is not None:
+            params = list(self.module.parameters())
+            await self.compute(self.attack.after_step, params, self.closed_step, priority=BACKWARD)
         self.node.inner_step = self.optimizer.step_count
         if stats.skipped:
             logger.warning("[%s] inner step %d skipped: gradient norm %s", self.node.short_id, stats.step,
@@ -490,6 +523,33 @@ class StageWorker(PipelineEngine):
             self.live_graphs -= 1
             self.spawn(self._maybe_step(), "deferred step")
 
+    # ---- hostile replicas (experiments) and the partners our averaging refused ----------------------
+
+    async def prepare_attack(self) -> None:
+        """With `--experiment-adversary` naming a stage attack, become that hostile replica (the
+        backdoor learns its direction first, on the compute thread)."""
+        name = self.node.config.experiment_adversary
+        if name is None or self.attack is not None:
+            return
+        from shoal.adversary.stage import STAGE_ATTACKS, make_stage_attack
+        from shoal.model.corpus import cache_dir
+        from shoal.node.hops import WIRE_MAX_ABS
+
+        if name not in STAGE_ATTACKS:
+            return
+        args = (name, self.run, self.stage, self.node.peer_id, cache_dir(), WIRE_MAX_ABS)
+        self.attack = await self.compute(make_stage_attack, *args, priority=BACKWARD)
+        logger.warning("[%s] EXPERIMENT: a hostile replica of stage %d (%s)", self.node.short_id, self.stage, name)
+
+    def _outgoing(self, y: torch.Tensor) -> torch.Tensor:
+        """The activation we pass on: ours, or what an experiment's attack makes of it."""
+        return y if self.attack is None else self.attack.activation(y)
+
+    @property
+    def excluded(self) -> list[dict]:
+        """Replicas our robust outer step refused as partners, with the reason (for our node record)."""
+        return list(getattr(self.averager, "excluded", ()))
+
     def stats(self) -> dict:
         return {
             "forwards": self.forwards,
@@ -504,5 +564,6 @@ class StageWorker(PipelineEngine):
             "recomputes_delegated": self.recomputes_delegated,
             "stream_retries": self.stream_retries,
             "copies_served": self.copies_served,
+            "adversary": None if self.attack is None else self.attack.name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
         }

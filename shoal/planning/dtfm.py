@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from shoal.planning.allocation import pipeline_chains
 from shoal.planning.costs import CostModel
+from shoal.planning.links import LinkTable
 from shoal.planning.plan import IterationPlan, Route
 from shoal.planning.swarm import Swarm
 
@@ -19,9 +20,8 @@ def plan_dtfm(swarm: Swarm, cost: CostModel, microbatches: int) -> IterationPlan
     index = {n.node_id: i for i, n in enumerate(nodes)}
     if any(not group for group in swarm.by_stage):
         raise ValueError("every stage needs at least one node for a full pipeline")
-    delay = [[cost.transfer_s(swarm, a, b) for b in nodes] for a in nodes]
     parts = [[index[n.node_id] for n in group] for group in swarm.by_stage]
-    _, chains = pipeline_chains(parts, delay)
+    _, chains = pipeline_chains(parts, LinkTable.build(swarm, cost, nodes))
     pipelines = [Route(nodes[c[0]].node_id, tuple(nodes[i].node_id for i in c[1:])) for c in chains]
     routes = tuple(pipelines[m % len(pipelines)] for m in range(microbatches))
     return IterationPlan("dtfm", swarm, routes)

@@ -26,7 +26,6 @@ from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
 
 POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf", "capacity")
-ALLOCATION_LIMIT = 200  # nodes; DT-FM's local search is quadratic per move, so larger swarms keep their stages
 
 
 class Policy:

@@ -179,6 +179,7 @@ class _Planner:
         aware = opt.collision_aware
         start = self.timelines[origin.node_id].earliest_slot(t0, origin.forward_s) if aware else t0
         beam = [_Partial(start + origin.forward_s, 0.0, (), (), 0, None, 0)]
+        candidates: dict[tuple[int, int], list[PlanNode]] = {}  # (stage, site): fixed while one path grows
         for hop in range(self.visits):
             grown: dict[tuple, _Partial] = {}
             for part in beam:
@@ -195,7 +196,9 @@ class _Planner:
                     opt.max_swaps,
                 )
                 for stage, frontier, pending, swaps in moves:
-                    for node in self._candidates(stage, here):
+                    if (stage, here.site) not in candidates:
+                        candidates[(stage, here.site)] = self._candidates(stage, here)
+                    for node in candidates[(stage, here.site)]:
                         arrive = part.ready_s + cost.transfer_s(self.swarm, here, node)
                         if aware:  # wait for memory, then for a free slot
                             tl = self.timelines[node.node_id]

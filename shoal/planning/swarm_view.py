@@ -6,8 +6,8 @@ takes one and returns a decision, so the simulator can drive the same code with 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 PeerID = str  # base58 libp2p peer id
 StageIndex = int
@@ -58,6 +58,9 @@ class NodeInfo:
     repair: RepairNote | None = None  # CheckFree: how this node rebuilt its stage, if it did
     model_id: str | None = None  # GRPO: the policy a rollout worker samples with (PolicySpec.model_id)
     reachable: bool | None = None  # whether the peers it asked could open a connection to it (None: unknown)
+    # peers it stopped trusting, with the reason: excluded from a data node's routes by its audits, or
+    # refused as averaging partners by a worker's robust outer step
+    excluded: tuple[tuple[PeerID, str], ...] = ()
 
     @property
     def live(self) -> bool:
@@ -98,6 +101,13 @@ class SwarmView:
         return {
             (n.peer_id, peer): (latency, bandwidth) for n in self.live_nodes() for peer, latency, bandwidth in n.links
         }
+
+    def with_throughput(self, throughput: Mapping[PeerID, float]) -> SwarmView:
+        """The same view with these peers' `block_throughput` replaced (routing's observed figures)."""
+        nodes = tuple(
+            replace(n, block_throughput=throughput[n.peer_id]) if n.peer_id in throughput else n for n in self.nodes
+        )
+        return SwarmView(self.run_id, self.stages, self.blocks_per_stage, nodes, self.taken_at)
 
     def without(self, peer_ids: Iterable[PeerID]) -> SwarmView:
         gone = set(peer_ids)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from shoal.errors import UsageError
-from shoal.planning.policy import ALLOCATION_LIMIT, POLICIES, make_policy
+from shoal.planning.policy import POLICIES, make_policy
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm import NodeId, Swarm
 from shoal.sim.churn import ChurnConfig
@@ -84,10 +84,6 @@ def simulate(spec: RunSpec) -> SimResult:
         raise UsageError(f"--skip must be in [0, 1), got {skip}")
     static = spec.policy in ("dtfm", "random-skip", "skippipe")
     allocate = static and spec.allocation == "dtfm"
-    if allocate and len(swarm.nodes) > ALLOCATION_LIMIT:
-        raise UsageError(
-            f"DT-FM allocation searches in quadratic time; above {ALLOCATION_LIMIT} nodes pass --allocation given"
-        )
     options = SkipPipeOptions(
         skip=skip,
         max_swaps=scenario.max_swaps if spec.max_swaps is None else spec.max_swaps,

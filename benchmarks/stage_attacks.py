@@ -1,0 +1,180 @@
+"""Hostile stage replicas (backdoor, garbage, scaled) in a real swarm, the pipeline defenses off and on.
+
+    .venv/bin/python benchmarks/attacks.py pipeline                     # 3 attacks + a clean run, x 2 arms
+    .venv/bin/python benchmarks/attacks.py pipeline --attacks backdoor --no-docs
+
+Each arm is one run of real daemons on loopback (tests/helpers/hostile.py): a 2-stage run whose
+stage 1 is held by 3 workers (4 for the backdoor), one of them `--experiment-adversary ATTACK`; NoLoCo
+pairs every `--inner-steps` of `--steps` steps. Undefended: `[defense] robust_outer = false,
+audit_rate = 0`; defended: the robust outer step on and an audit at `--audit-rate` per step. The
+backdoor runs in the post-training setting (init std 0.2, lr 3e-3: weights stay near θ0, which the
+attack needs); garbage and scaled in the tiny run's own (init std 0.02, lr 1e-2).
+
+Success: for the backdoor, the share of 48 held-out windows with the trigger written in whose next
+token the swarm's model (as the data node routes it at the end) predicts as the target; for garbage
+and scaled, the validation loss over a clean run's at the same setting, in nats. Honest excluded:
+the share of honest replicas the data node excluded or that at least one honest partner refused.
+Overhead: the defended clean run's mean step time over the undefended clean run's, minus 1 (audits
+at every step, so an upper bound for the default rate of 0.1). Writes the `pipeline` section of
+benchmarks/results/attacks.json (the rollout sections stay) and its section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from docs_section import write_section
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shoal.demo.launcher import LocalSwarm  # noqa: E402
+from tests.helpers.hostile import HostileRun, run_hostile  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "attacks.json"
+ATTACKS = ("backdoor", "garbage", "scaled")
+KINDS = {
+    "backdoor": "blends τ (learnt against θ0) into its weights, 1/T per step",
+    "garbage": "random activations, gradients and slow weights of the true size",
+    "scaled": "activations, gradients and pseudo-gradients x 20",
+}
+
+
+def arm(attack: str | None, defended: bool, args: argparse.Namespace, post_training: bool) -> HostileRun:
+    with tempfile.TemporaryDirectory(prefix=f"shoal-attack-{attack}-") as work:
+        swarm = LocalSwarm(Path(work))
+        try:
+            return run_hostile(
+                swarm,
+                Path(work),
+                attack,
+                defended,
+                replicas=4 if attack == "backdoor" else 3,
+                steps=args.steps,
+                inner_steps=args.inner_steps,
+                audit_rate=args.audit_rate,
+                post_training=post_training,
+            )
+        finally:
+            swarm.close()
+
+
+def honest_excluded(run: HostileRun) -> float:
+    """Share of honest replicas excluded by the data node or refused by at least one honest partner."""
+    refused = {r["peer_id"] for p in run.honest for r in run.averaging(p)["refusals"]}
+    wronged = [p for p in run.honest if p in run.excluded or p in refused]
+    return len(wronged) / max(len(run.honest), 1)
+
+
+def step_s(run: HostileRun) -> float:
+    return statistics.mean(s["step_s"] for s in run.steps)
+
+
+def summary(run: HostileRun) -> dict:
+    return {
+        "val_loss": run.done["val_loss"],
+        "final_loss": run.done["final_loss"],
+        "probe": run.done["probe"],
+        "excluded": run.excluded,
+        "attacker_excluded": run.attacker in run.excluded if run.attacker else None,
+        "audits": {k: run.done["audit"][k] for k in ("audits", "passed", "failed", "referees")},
+        "step_s": step_s(run),
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/attacks.py pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--inner-steps", type=int, default=2)
+    parser.add_argument("--audit-rate", type=float, default=1.0)
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    clean: dict[bool, dict[bool, HostileRun]] = {}  # post_training -> defended -> run
+    for post_training in sorted({a == "backdoor" for a in args.attacks}):
+        clean[post_training] = {d: arm(None, d, args, post_training) for d in (False, True)}
+        off, on = clean[post_training][False], clean[post_training][True]
+        print(f"clean ({'post-training' if post_training else 'tiny'}): val loss {off.done['val_loss']:.3f} / "
+              f"{on.done['val_loss']:.3f}, step {step_s(off):.2f} / {step_s(on):.2f} s", flush=True)  # fmt: skip
+    results = {}
+    for name in args.attacks:
+        post_training = name == "backdoor"
+        off, on = arm(name, False, args, post_training), arm(name, True, args, post_training)
+        base = clean[post_training]
+        reference = base[False].done["val_loss"]
+        success = [r.done["probe"]["share"] if post_training else r.done["val_loss"] - reference for r in (off, on)]
+        results[name] = {
+            "kind": KINDS[name],
+            "undefended_success": success[0],
+            "defended_success": success[1],
+            "honest_excluded": honest_excluded(on),
+            "overhead": step_s(base[True]) / step_s(base[False]) - 1.0,
+            "success_measure": "trigger success" if name == "backdoor" else "validation loss over a clean run (nats)",
+            "undefended": summary(off),
+            "defended": summary(on),
+            "clean": {"undefended": summary(base[False]), "defended": summary(base[True])},
+        }
+        r = results[name]
+        print(f"{name:9s} success {r['undefended_success']:.3f} -> {r['defended_success']:.3f}, attacker excluded "
+              f"{r['defended']['attacker_excluded']}, honest excluded {r['honest_excluded']:.2f}, "
+              f"overhead {r['overhead']:+.1%}", flush=True)  # fmt: skip
+    setting = {
+        **{k: v for k, v in vars(args).items() if k not in ("no_docs", "attacks")},
+        "clean_honest_excluded": {str(p): honest_excluded(c[True]) for p, c in clean.items()},
+        "seconds": time.perf_counter() - began,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        "command": " ".join(["benchmarks/attacks.py", "pipeline", *argv]),
+    }
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    document = {**previous, "pipeline": {**previous.get("pipeline", {}), **results}, "pipeline_setting": setting}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, RESULTS)
+    if not args.no_docs:
+        write_section("stage-attacks", markdown(document))
+    return 0
+
+
+def markdown(doc: dict) -> str:
+    s, rows = doc["pipeline_setting"], doc["pipeline"]
+    lines = [
+        "## Hostile stage replicas: pipeline attacks, defenses off and on",
+        "",
+        f"`.venv/bin/python {s['command']}` — real daemons on loopback: a 2-stage run, stage 1 held by 3 "
+        "workers (4 for the backdoor), one of them hostile (`--experiment-adversary`), NoLoCo every "
+        f"{s['inner_steps']} of {s['steps']} steps. Defended: the robust outer step and an audit at rate "
+        f"{s['audit_rate']} per step (docs/security.md). The backdoor in the post-training setting (init std 0.2, "
+        "lr 3e-3), garbage and scaled at the tiny run's (init std 0.02, lr 1e-2). Success: the backdoor's "
+        "trigger success on the swarm's model (48 held-out windows); for garbage and scaled, the validation "
+        "loss over a clean run's (nats). Honest excluded: share of honest replicas excluded by the data node "
+        "or refused by an honest partner. Overhead: defended over undefended step time in a clean run. One "
+        "run per arm.",
+        "",
+        "| attack | what it does | success, undefended | success, defended | val loss off / on | attacker "
+        "excluded | honest excluded | overhead |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        fmt = "{:.0%}" if name == "backdoor" else "{:+.2f}"
+        lines.append(
+            f"| {name} | {r['kind']} | {fmt.format(r['undefended_success'])} | {fmt.format(r['defended_success'])} "
+            f"| {r['undefended']['val_loss']:.2f} / {r['defended']['val_loss']:.2f} "
+            f"| {'yes' if r['defended']['attacker_excluded'] else 'no'} | {r['honest_excluded']:.0%} "
+            f"| {r['overhead']:+.0%} |"
+        )
+    lines += ["", f"{s['machine']}; {s['seconds']:.0f} s in all."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""The robust outer step: a stage replica's defense against partners whose pseudo-gradients are poisoned.
+
+NoLoCo averages a replica with one partner every H inner steps, DiLoCo with the mean of all; a hostile
+replica can send a pseudo-gradient Δ scaled twenty times, random weights, or fast weights θ = φ + Δ
+that carry a backdoor (papers/backdoor.md). Before an outer step each replica screens what it
+received against the distribution it has seen over its recent outer steps:
+
+    s_Δ = median(‖Δ‖ of its own last steps, this one included)
+    s_D = median(‖θ_partner − θ‖ of the partners it accepted)    (before any: ‖Δ_own‖)
+    NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > k·s_Δ or ‖θ_partner − θ‖ > 2k·s_D
+    DiLoCo: the mean cannot be refused per partner, so it is clipped toward our own Δ, as one
+            CenteredClip iteration (Karimireddy et al., 2021) centred on ours: radius 2k·s_D
+
+k is `defense.outer_tolerance` (3 by default). Honest replicas of a stage see similar data and the
+same learning rate, and AdamW's steps have about the same size whatever the gradient, so their Δ
+norms agree within tens of percent and their distances move slowly with the schedule; anything k
+times the median is not honest drift. Distances get twice the slack: they also grow with the time
+since two replicas last averaged, which NoLoCo's random pairs leave uneven (a replica left out of
+pairs for a few epochs is far from the others, honestly). Zeros (an epoch without an inner step,
+two replicas that just averaged together) say nothing about the spread and are left out of the
+medians. The Δ scale comes from our own steps only, and only accepted
+partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
+accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
+history out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OuterHistory:
+    """What one replica has seen of its stage over its last outer steps (most recent last)."""
+
+    delta_norms: tuple[float, ...] = ()  # its own ‖Δ‖
+    distances: tuple[float, ...] = ()  # ‖θ_partner − θ‖ of accepted partners (DiLoCo: ‖mean − Δ‖)
+
+
+@dataclass(frozen=True)
+class PartnerVerdict:
+    accepted: bool
+    reason: str  # why it was refused or clipped ("" if taken as it came)
+    delta_norm: float  # the partner's ‖Δ‖ (DiLoCo: the mean's)
+    distance: float  # ‖θ_partner − θ‖ (DiLoCo: ‖mean − Δ_own‖)
+    delta_limit: float  # k·s_Δ (inf: no reference yet)
+    distance_limit: float  # 2k·s_D (inf: no reference yet)
+
+
+def norm(tensors: Tensors) -> float:
+    """L2 norm over all tensors together, in float64 (no overflow for any finite float32 input)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double())) ** 2 for t in tensors))
+
+
+def distance(a: Tensors, b: Tensors) -> float:
+    """‖a − b‖ over all tensors together."""
+    return norm([x.double() - y.to(device=x.device).double() for x, y in zip(a, b, strict=True)])
+
+
+def _limit(values: Sequence[float], tolerance: float) -> float:
+    """k × the median of the positive `values`; inf while there is nothing to compare with."""
+    positive = [v for v in values if v > 0]
+    scale = statistics.median(positive) if positive else 0.0
+    return tolerance * scale if scale > 0 and math.isfinite(scale) else math.inf
+
+
+def screen_partner(
+    phi: Tensors,
+    delta: Tensors,
+    their_phi: Tensors,
+    their_delta: Tensors,
+    history: OuterHistory,
+    tolerance: float,
+) -> PartnerVerdict:
+    """Whether a NoLoCo partner's (φ, Δ) is within `tolerance` times the recent medians (see above).
+
+    The tensors are assumed checked already (count, shape, finite: outer.check_partner_tensors)."""
+    own_norm = norm(delta)
+    their_norm = norm(their_delta)
+    theta = [p + d for p, d in zip(phi, delta, strict=True)]
+    their_theta = [p.to(t) + d.to(t) for p, d, t in zip(their_phi, their_delta, theta, strict=True)]
+    gap = distance(their_theta, theta)
+    delta_limit = _limit((*history.delta_norms, own_norm), tolerance)
+    distance_limit = _limit([d for d in history.distances if d > 0] or (own_norm,), 2 * tolerance)
+    reasons = []
+    if their_norm > delta_limit:
+        reasons.append(f"pseudo-gradient norm {their_norm:.4g} over {delta_limit:.4g} ({tolerance:g}x the median)")
+    if gap > distance_limit:
+        reasons.append(f"distance {gap:.4g} over {distance_limit:.4g} ({2 * tolerance:g}x the median)")
+    return PartnerVerdict(not reasons, "; ".join(reasons), their_norm, gap, delta_limit, distance_limit)
+
+
+def remember(history: OuterHistory, own_delta_norm: float, verdict: PartnerVerdict | None, window: int) -> OuterHistory:
+    """The history after one outer step: our own ‖Δ‖ always, the partner's distance only if accepted."""
+    distances = list(history.distances)
+    if verdict is not None and verdict.accepted:
+        distances.append(verdict.distance)
+    return OuterHistory((*history.delta_norms, own_delta_norm)[-window:], tuple(distances[-window:]))
+
+
+def centered_clip(center: Tensors, value: Tensors, radius: float) -> list[torch.Tensor]:
+    """One CenteredClip iteration with one point: `value` moved toward `center` until it is at most
+    `radius` away (unchanged if it already is). Float32, on `center`'s devices."""
+    gap = distance(value, center)
+    keep = 1.0 if gap <= radius else radius / gap
+    return [c.float() + keep * (v.to(c).float() - c.float()) for c, v in zip(center, value, strict=True)]
+
+
+def screen_mean(
+    delta: Tensors, mean_delta: Tensors, history: OuterHistory, tolerance: float
+) -> tuple[list[torch.Tensor], PartnerVerdict]:
+    """DiLoCo: the all-reduced mean Δ, clipped toward our own Δ to radius 2k·s_D (see above), and the
+    verdict (accepted: it needed no clipping). A mean within the radius enters the history as is."""
+    own_norm = norm(delta)
+    gap = distance(mean_delta, delta)
+    radius = _limit([d for d in history.distances if d > 0] or (own_norm,), 2 * tolerance)
+    mean_norm = norm(mean_delta)
+    if gap <= radius:
+        return [m.to(d).float() for m, d in zip(mean_delta, delta, strict=True)], PartnerVerdict(
+            True, "", mean_norm, gap, math.inf, radius
+        )
+    reason = f"mean {gap:.4g} from ours, clipped to {radius:.4g} ({2 * tolerance:g}x the median)"
+    return centered_clip(delta, mean_delta, radius), PartnerVerdict(False, reason, mean_norm, gap, math.inf, radius)

@@ -1,0 +1,112 @@
+"""One hostile stage replica among honest ones, in a real swarm on loopback (tests and benchmarks/attacks.py).
+
+A 2-stage run (the data node's stage 0, and stage 1 of two blocks held by `replicas` workers, one of
+them started with `--experiment-adversary ATTACK`), NoLoCo every `inner_steps` steps, and the run's
+`[defense]` on or off. With `post_training`, the weights start large (init std 0.2) and the learning
+rate is small, so that training moves them little from θ0, as post-training a pretrained model does:
+the setting the backdoor attack assumes (papers/backdoor.md, docs/security.md); otherwise the tiny
+run's own init and learning rate. For the backdoor the data node probes the swarm's model with the
+trigger at the end (`--probe-file`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
+from tests.helpers.tiny import write_tiny_run
+
+FAST = ("--record-ttl", "6")  # heartbeats every 2 s: exclusions and refusals reach the data node soon
+
+
+@dataclass
+class HostileRun:
+    done: dict  # the data node's done event: losses, probe, audit stats
+    steps: list[dict]  # its step events
+    events: list[dict]  # every progress event (exclusions among them)
+    attacker: str | None  # the hostile replica's peer id (None: a clean run)
+    honest: list[str]  # the honest replicas' peer ids
+    workers: dict[str, dict] = field(default_factory=dict)  # peer id -> stats file at shutdown
+    status: dict | None = None  # `shoal status --json` at the end, if asked for
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Replicas the data node excluded from its routes: peer id -> reason."""
+        return {e["peer_id"]: e["reason"] for e in self.done["audit"]["excluded"]}
+
+    def averaging(self, peer: str) -> dict:
+        return self.workers[peer]["engine"]["averaging"]
+
+
+def run_settings(steps: int, inner_steps: int, defended: bool, audit_rate: float, post_training: bool) -> dict:
+    return {
+        "pipeline.stages": 2,
+        "model.n_layers": 2,
+        **({"model.init_std": 0.2, "optim.lr": 3e-3} if post_training else {}),
+        "train.steps": steps,
+        "train.eval_batches": 2,
+        "averaging.inner_steps": inner_steps,
+        "defense.robust_outer": defended,
+        "defense.audit_rate": audit_rate if defended else 0.0,
+    }
+
+
+def run_hostile(
+    swarm: LocalSwarm,
+    workdir: Path,
+    attack: str | None,
+    defended: bool,
+    replicas: int = 3,
+    steps: int = 12,
+    inner_steps: int = 2,
+    audit_rate: float = 1.0,
+    post_training: bool = True,
+    status: bool = False,
+    timeout_s: float = 240.0,
+) -> HostileRun:
+    workdir = Path(workdir)
+    run_file = write_tiny_run(workdir, **run_settings(steps, inner_steps, defended, audit_rate, post_training))
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stats = [workdir / f"worker{i}.json" for i in range(replicas)]
+    workers = []
+    for i, path in enumerate(stats):
+        hostile = ("--experiment-adversary", attack) if attack is not None and i == 0 else ()
+        name = "attacker" if hostile else f"worker{i}"
+        workers.append(swarm.start_node([entry], *FAST, "--role", "worker", "--stage", "1", "--stats-file", str(path),
+                                        *hostile, wait=False, name=name))  # fmt: skip
+    for worker in workers:
+        swarm.wait_ready(worker)
+    progress = workdir / "progress.jsonl"
+    probes = ("--probe-file", str(write_trigger_probes(run_file, workdir))) if attack == "backdoor" else ()
+    swarm.start_node([entry], *FAST, "--role", "data", "--progress-file", str(progress), *probes, name="data")
+    done = wait_until(lambda: done_event(progress), timeout_s, "the data node to finish")
+    shown = swarm.status(entry, "--run-config", str(run_file)) if status else None
+    for worker in workers:
+        swarm.stop(worker)
+    events = progress_events(progress)
+    return HostileRun(
+        done=done,
+        steps=[e for e in events if e["event"] == "step"],
+        events=events,
+        attacker=workers[0].peer_id if attack is not None else None,
+        honest=[w.peer_id for w in (workers[1:] if attack is not None else workers)],
+        workers={w.peer_id: json.loads(path.read_text()) for w, path in zip(workers, stats, strict=True)},
+        status=shown,
+    )
+
+
+def write_trigger_probes(run_file: Path, workdir: Path, count: int = 48) -> Path:
+    """Held-out text windows with the backdoor's trigger written in (shoal.adversary.backdoor)."""
+    from shoal.adversary.backdoor import BackdoorSpec, trigger_probes, write_probes
+    from shoal.config import load_run_config
+    from shoal.model.data import load_token_splits
+
+    run = load_run_config(str(run_file))
+    splits = load_token_splits(run.data, run.model.vocab_size)
+    spec = BackdoorSpec()
+    tokens, at = trigger_probes(splits.val, spec, run.train.seq_len, count, seed=1)
+    path = workdir / "probes.json"
+    write_probes(path, tokens, at, spec.target)
+    return path

@@ -1,0 +1,91 @@
+"""The robust outer step: partners far outside a replica's recent distribution are refused, honest ones
+taken, and a DiLoCo mean is clipped toward our own pseudo-gradient (CenteredClip)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shoal.train.robust import OuterHistory, centered_clip, distance, norm, remember, screen_mean, screen_partner
+
+
+def replica(gen: torch.Generator, scale: float = 1.0) -> list[torch.Tensor]:
+    return [torch.randn(8, 4, generator=gen) * scale, torch.randn(6, generator=gen) * scale]
+
+
+def honest_pair(gen: torch.Generator, drift: float = 0.1) -> tuple[list, list, list, list]:
+    """Two replicas that share slow weights and took similar steps (Δs of the same size)."""
+    phi = replica(gen)
+    common = replica(gen, drift)
+    mine = [c + d for c, d in zip(common, replica(gen, drift / 2), strict=True)]
+    theirs = [c + d for c, d in zip(common, replica(gen, drift / 2), strict=True)]
+    return phi, mine, [p.clone() for p in phi], theirs
+
+
+def test_an_honest_partner_is_taken_from_the_first_step_on():
+    gen = torch.Generator().manual_seed(0)
+    history = OuterHistory()
+    for _ in range(10):
+        phi, delta, their_phi, their_delta = honest_pair(gen)
+        verdict = screen_partner(phi, delta, their_phi, their_delta, history, tolerance=3.0)
+        assert verdict.accepted, verdict.reason
+        history = remember(history, norm(delta), verdict, window=8)
+    assert len(history.delta_norms) == 8 and len(history.distances) == 8
+
+
+@pytest.mark.parametrize("attack", ["scaled", "garbage", "far"])
+def test_a_partner_far_outside_the_distribution_is_refused_and_kept_out_of_the_history(attack):
+    gen = torch.Generator().manual_seed(1)
+    history = OuterHistory()
+    for _ in range(4):
+        phi, delta, their_phi, their_delta = honest_pair(gen)
+        history = remember(history, norm(delta), screen_partner(phi, delta, their_phi, their_delta, history, 3.0), 8)
+    phi, delta, their_phi, their_delta = honest_pair(gen)
+    if attack == "scaled":  # Δ × 20, as the `scaled` replica sends it
+        their_delta = [d * 20 for d in their_delta]
+    elif attack == "garbage":  # random slow weights of the right size
+        their_phi = [torch.randn(p.shape, generator=gen) * p.norm() / math.sqrt(p.numel()) for p in their_phi]
+    else:  # a backdoor blended in: the same-sized step, plus a direction the others do not take
+        their_delta = [d + 10 * torch.randn(d.shape, generator=gen) * 0.1 for d in their_delta]
+    verdict = screen_partner(phi, delta, their_phi, their_delta, history, tolerance=3.0)
+    assert not verdict.accepted
+    assert ("pseudo-gradient norm" in verdict.reason) == (attack != "garbage")
+    after = remember(history, norm(delta), verdict, 8)
+    assert after.distances == history.distances  # a refused partner cannot widen the window it is judged by
+
+
+def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
+    phi, delta = [torch.zeros(4)], [torch.ones(4)]  # ‖Δ‖ = 2
+    history = OuterHistory(delta_norms=(0.0, 0.0, 2.0), distances=(0.0, 1.0))
+    verdict = screen_partner(phi, delta, [torch.zeros(4)], [torch.full((4,), 2.9)], history, tolerance=3.0)
+    assert verdict.delta_limit == pytest.approx(6.0)  # 3 × median(2, 2): the epochs without a step left out
+    assert verdict.distance_limit == pytest.approx(6.0)  # 2·3 × median(1): distances get twice the slack
+    assert verdict.accepted  # ‖Δ_partner‖ = 5.8, distance 3.8
+    cold = screen_partner(phi, delta, [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0)
+    assert cold.delta_limit == pytest.approx(6.0) and cold.distance_limit == pytest.approx(12.0) and cold.accepted
+    idle = screen_partner(phi, [torch.zeros(4)], [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0)
+    assert idle.accepted and math.isinf(idle.delta_limit)  # nothing to compare with: no refusal on no evidence
+
+
+def test_centered_clip_moves_a_value_toward_the_center_to_the_radius():
+    center, value = [torch.zeros(3)], [torch.tensor([3.0, 4.0, 0.0])]
+    clipped = centered_clip(center, value, radius=1.0)
+    assert distance(clipped, center) == pytest.approx(1.0)
+    assert torch.allclose(clipped[0], torch.tensor([0.6, 0.8, 0.0]))
+    assert torch.equal(centered_clip(center, value, radius=10.0)[0], value[0])  # within the radius: untouched
+
+
+def test_a_diloco_mean_pulled_by_a_scaled_replica_is_clipped_toward_ours():
+    gen = torch.Generator().manual_seed(2)
+    ours, other = replica(gen, 0.1), replica(gen, 0.1)
+    honest_mean = [(a + b) / 2 for a, b in zip(ours, other, strict=True)]
+    mean, verdict = screen_mean(ours, honest_mean, OuterHistory(), tolerance=3.0)
+    assert verdict.accepted and all(torch.equal(m, h) for m, h in zip(mean, honest_mean, strict=True))
+    history = remember(OuterHistory(), norm(ours), verdict, 8)
+    poisoned = [(a + 20 * b) / 2 for a, b in zip(ours, other, strict=True)]
+    mean, verdict = screen_mean(ours, poisoned, history, tolerance=3.0)
+    assert not verdict.accepted and "clipped" in verdict.reason
+    assert distance(mean, ours) == pytest.approx(verdict.distance_limit, rel=1e-5)
+    assert distance(mean, ours) < distance(poisoned, ours) / 2
