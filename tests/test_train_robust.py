@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from shoal.train.robust import OuterHistory, centered_clip, distance, norm, remember, screen_mean, screen_partner
+from shoal.train.robust import (
+    OuterHistory,
+    adam_step_bound,
+    centered_clip,
+    distance,
+    norm,
+    remember,
+    screen_mean,
+    screen_partner,
+)
 
 
 def replica(gen: torch.Generator, scale: float = 1.0) -> list[torch.Tensor]:
@@ -67,6 +76,15 @@ def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
     assert cold.delta_limit == pytest.approx(6.0) and cold.distance_limit == pytest.approx(12.0) and cold.accepted
     idle = screen_partner(phi, [torch.zeros(4)], [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0)
     assert idle.accepted and math.isinf(idle.delta_limit)  # nothing to compare with: no refusal on no evidence
+    far = [torch.full((4,), 4.5)]  # ‖Δ‖ = 9: over 3 × our median, but within what the epoch's steps can move
+    assert not screen_partner(phi, delta, [torch.zeros(4)], far, history, 3.0).accepted
+    assert screen_partner(
+        phi, delta, [torch.zeros(4)], far, OuterHistory(delta_norms=(2.0,)), 3.0, step_bound=9.5
+    ).accepted
+
+
+def test_the_step_bound_is_what_adamw_steps_can_move():
+    assert adam_step_bound([0.01, 0.02], parameters=10_000) == pytest.approx(3.0)
 
 
 def test_centered_clip_moves_a_value_toward_the_center_to_the_radius():

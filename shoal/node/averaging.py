@@ -39,7 +39,8 @@ from shoal.train.outer import (
     pseudo_gradient,
     replica_distance,
 )
-from shoal.train.robust import OuterHistory, distance, norm, remember, screen_partner
+from shoal.train.robust import OuterHistory, adam_step_bound, distance, norm, remember, screen_partner
+from shoal.train.schedule import learning_rate
 
 if TYPE_CHECKING:
     from shoal.node.worker import StageWorker
@@ -281,7 +282,8 @@ class NoLoCoAverager:
             their_phi, their_delta, partner = theirs
             theirs, self._taken_from = (their_phi, their_delta), partner
             if self.robust:
-                verdict = screen_partner(self.state.phi, delta, their_phi, their_delta, self.history, self.tolerance)
+                limits = (self.history, self.tolerance, self._step_bound(epoch))
+                verdict = screen_partner(self.state.phi, delta, their_phi, their_delta, *limits)
                 if not verdict.accepted:
                     self.screened_out += 1
                     self.refusals.pop(partner, None)
@@ -290,10 +292,17 @@ class NoLoCoAverager:
                         del self.refusals[next(iter(self.refusals))]
                     logger.warning("[%s] epoch %d: refused %s as partner: %s", self.node.short_id, epoch,
                                    partner[-8:], verdict.reason)  # fmt: skip
+                    self.worker.spawn(self.node.publish(), "publish a refusal")  # data nodes act on it: say it now
                     theirs = None
         if self.robust:
             self.history = remember(self.history, norm(delta), verdict, self.window)
         return theirs
+
+    def _step_bound(self, epoch: int) -> float:
+        """M for this epoch's H inner steps (robust.adam_step_bound), at the run's learning rates."""
+        run, h = self.node.run, self.config.inner_steps
+        rates = [learning_rate(t, run.optim, run.train.steps) for t in range((epoch - 1) * h, epoch * h)]
+        return adam_step_bound(rates, sum(p.numel() for p in self.state.phi))
 
     @property
     def excluded(self) -> list[dict]:

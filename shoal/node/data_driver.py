@@ -216,6 +216,7 @@ class DataDriver(PipelineEngine):
                     **result.extra,
                 }
             )
+        self.auditor.on_view(await self.node.refresh_view())  # exclusions workers just published count too
         val_loss = await self.evaluate()
         probe = await self.probe()
         losses = [r.loss for r in self.history if r.loss is not None]

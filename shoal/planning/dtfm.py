@@ -7,8 +7,8 @@ carry ten microbatches each and the two data nodes left over stay idle, as in th
 
 from __future__ import annotations
 
-from shoal.planning.allocation import pipeline_chains
 from shoal.planning.costs import CostModel
+from shoal.planning.dtfm_objective import pipeline_chains
 from shoal.planning.links import LinkTable
 from shoal.planning.plan import IterationPlan, Route
 from shoal.planning.swarm import Swarm

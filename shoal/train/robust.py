@@ -7,7 +7,8 @@ received against the distribution it has seen over its recent outer steps:
 
     s_Δ = median(‖Δ‖ of its own last steps, this one included)
     s_D = median(‖θ_partner − θ‖ of the partners it accepted)    (before any: ‖Δ_own‖)
-    NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > k·s_Δ or ‖θ_partner − θ‖ > 2k·s_D
+    NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > max(k·s_Δ, M)
+            or ‖θ_partner − θ‖ > 2k·s_D
     DiLoCo: the mean cannot be refused per partner, so it is clipped toward our own Δ, as one
             CenteredClip iteration (Karimireddy et al., 2021) centred on ours: radius 2k·s_D
 
@@ -18,7 +19,10 @@ times the median is not honest drift. Distances get twice the slack: they also g
 since two replicas last averaged, which NoLoCo's random pairs leave uneven (a replica left out of
 pairs for a few epochs is far from the others, honestly). Zeros (an epoch without an inner step,
 two replicas that just averaged together) say nothing about the spread and are left out of the
-medians. The Δ scale comes from our own steps only, and only accepted
+medians. M, the most the epoch's AdamW steps can move a replica (each weight by about the learning
+rate per step: Σ_t lr_t·√(number of weights)), keeps a replica that took fewer steps than its partner
+this epoch (it served fewer microbatches, or none) from refusing it. The Δ scale comes from our own
+steps only, and only accepted
 partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
 accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
 history out.
@@ -50,7 +54,7 @@ class PartnerVerdict:
     reason: str  # why it was refused or clipped ("" if taken as it came)
     delta_norm: float  # the partner's ‖Δ‖ (DiLoCo: the mean's)
     distance: float  # ‖θ_partner − θ‖ (DiLoCo: ‖mean − Δ_own‖)
-    delta_limit: float  # k·s_Δ (inf: no reference yet)
+    delta_limit: float  # max(k·s_Δ, M) (inf: no reference yet)
     distance_limit: float  # 2k·s_D (inf: no reference yet)
 
 
@@ -78,8 +82,10 @@ def screen_partner(
     their_delta: Tensors,
     history: OuterHistory,
     tolerance: float,
+    step_bound: float = 0.0,
 ) -> PartnerVerdict:
-    """Whether a NoLoCo partner's (φ, Δ) is within `tolerance` times the recent medians (see above).
+    """Whether a NoLoCo partner's (φ, Δ) is within `tolerance` times the recent medians (see above);
+    a ‖Δ‖ within `step_bound` (M) always is.
 
     The tensors are assumed checked already (count, shape, finite: outer.check_partner_tensors)."""
     own_norm = norm(delta)
@@ -87,7 +93,7 @@ def screen_partner(
     theta = [p + d for p, d in zip(phi, delta, strict=True)]
     their_theta = [p.to(t) + d.to(t) for p, d, t in zip(their_phi, their_delta, theta, strict=True)]
     gap = distance(their_theta, theta)
-    delta_limit = _limit((*history.delta_norms, own_norm), tolerance)
+    delta_limit = max(_limit((*history.delta_norms, own_norm), tolerance), step_bound)
     distance_limit = _limit([d for d in history.distances if d > 0] or (own_norm,), 2 * tolerance)
     reasons = []
     if their_norm > delta_limit:
@@ -95,6 +101,12 @@ def screen_partner(
     if gap > distance_limit:
         reasons.append(f"distance {gap:.4g} over {distance_limit:.4g} ({2 * tolerance:g}x the median)")
     return PartnerVerdict(not reasons, "; ".join(reasons), their_norm, gap, delta_limit, distance_limit)
+
+
+def adam_step_bound(learning_rates: Sequence[float], parameters: int) -> float:
+    """M: about the most these AdamW steps can move weights, Σ lr_t·√(parameters) (each step moves each
+    weight by about its learning rate at most, whatever the gradient)."""
+    return sum(learning_rates) * math.sqrt(parameters)
 
 
 def remember(history: OuterHistory, own_delta_norm: float, verdict: PartnerVerdict | None, window: int) -> OuterHistory:
