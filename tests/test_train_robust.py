@@ -73,7 +73,9 @@ def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
     assert verdict.distance_limit == pytest.approx(6.0)  # 2·3 × median(1): distances get twice the slack
     assert verdict.accepted  # ‖Δ_partner‖ = 5.8, distance 3.8
     cold = screen_partner(phi, delta, [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0)
-    assert cold.delta_limit == pytest.approx(6.0) and cold.distance_limit == pytest.approx(12.0) and cold.accepted
+    assert cold.delta_limit == pytest.approx(6.0) and cold.distance_limit == pytest.approx(6.0) and cold.accepted
+    bounded = screen_partner(phi, delta, [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0, step_bound=4.0)
+    assert bounded.distance_limit == pytest.approx(8.0)  # two replicas M from the same φ are at most 2M apart
     idle = screen_partner(phi, [torch.zeros(4)], [torch.zeros(4)], [torch.ones(4)], OuterHistory(), 3.0)
     assert idle.accepted and math.isinf(idle.delta_limit)  # nothing to compare with: no refusal on no evidence
     far = [torch.full((4,), 4.5)]  # ‖Δ‖ = 9: over 3 × our median, but within what the epoch's steps can move

@@ -76,7 +76,8 @@ class NoLoCoAverager:
         self.history = OuterHistory()
         self.screened_out = 0  # partners the robust outer step refused
         self.refusals: dict[str, str] = {}  # partner -> why we last refused it (in our node record)
-        # per outer step: [epoch, partner (None: alone), whether its tensors were taken, ‖Δ_own‖, ‖φ_{t+1} − φ_t‖]
+        # per outer step: [epoch, partner (None: alone), whether its tensors were taken, ‖Δ_own‖, ‖φ_{t+1} − φ_t‖,
+        # ‖θ_partner − θ‖ of what was taken (None: nothing)]
         self.outer_log: list[list] = []
         self._taken_from: str | None = None  # whose tensors the outer step in progress received
 
@@ -174,7 +175,8 @@ class NoLoCoAverager:
             self.distances.append((self.worker.optimizer.step_count, replica_distance(mine, their_theta)))
             self.node.replica_distance = self.distances[-1][1]
             self.pair_steps += 1
-        entry = [epoch, self._taken_from, theirs is not None, norm(delta), distance(self.state.phi, before.phi)]
+        gap = self.distances[-1][1] if theirs is not None else None  # ‖θ_partner − θ‖ of what we took
+        entry = [epoch, self._taken_from, theirs is not None, norm(delta), distance(self.state.phi, before.phi), gap]
         self.outer_log.append([round(v, 6) if isinstance(v, float) else v for v in entry])
         await self.worker.compute(load_slow_weights, self.worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch

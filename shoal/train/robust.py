@@ -6,9 +6,9 @@ that carry a backdoor (papers/backdoor.md). Before an outer step each replica sc
 received against the distribution it has seen over its recent outer steps:
 
     s_Δ = median(‖Δ‖ of its own last steps, this one included)
-    s_D = median(‖θ_partner − θ‖ of the partners it accepted)    (before any: ‖Δ_own‖)
+    s_D = median(‖θ_partner − θ‖ of the partners it accepted)
     NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > max(k·s_Δ, M)
-            or ‖θ_partner − θ‖ > 2k·s_D
+            or ‖θ_partner − θ‖ > max(2k·s_D, 2M)     (before any distance is known: max(k·‖Δ_own‖, 2M))
     DiLoCo: the mean cannot be refused per partner, so it is clipped toward our own Δ, as one
             CenteredClip iteration (Karimireddy et al., 2021) centred on ours: radius 2k·s_D
 
@@ -21,7 +21,8 @@ pairs for a few epochs is far from the others, honestly). Zeros (an epoch withou
 two replicas that just averaged together) say nothing about the spread and are left out of the
 medians. M, the most the epoch's AdamW steps can move a replica (each weight by about the learning
 rate per step: Σ_t lr_t·√(number of weights)), keeps a replica that took fewer steps than its partner
-this epoch (it served fewer microbatches, or none) from refusing it. The Δ scale comes from our own
+this epoch (it served fewer microbatches, or none) from refusing it; two replicas that left the same
+slow weights are at most 2M apart. The Δ scale comes from our own
 steps only, and only accepted
 partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
 accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
@@ -55,7 +56,7 @@ class PartnerVerdict:
     delta_norm: float  # the partner's ‖Δ‖ (DiLoCo: the mean's)
     distance: float  # ‖θ_partner − θ‖ (DiLoCo: ‖mean − Δ_own‖)
     delta_limit: float  # max(k·s_Δ, M) (inf: no reference yet)
-    distance_limit: float  # 2k·s_D (inf: no reference yet)
+    distance_limit: float  # max(2k·s_D, 2M) (inf: no reference yet)
 
 
 def norm(tensors: Tensors) -> float:
@@ -85,7 +86,7 @@ def screen_partner(
     step_bound: float = 0.0,
 ) -> PartnerVerdict:
     """Whether a NoLoCo partner's (φ, Δ) is within `tolerance` times the recent medians (see above);
-    a ‖Δ‖ within `step_bound` (M) always is.
+    a ‖Δ‖ within `step_bound` (M), and a distance within 2M, always are.
 
     The tensors are assumed checked already (count, shape, finite: outer.check_partner_tensors)."""
     own_norm = norm(delta)
@@ -94,7 +95,9 @@ def screen_partner(
     their_theta = [p.to(t) + d.to(t) for p, d, t in zip(their_phi, their_delta, theta, strict=True)]
     gap = distance(their_theta, theta)
     delta_limit = max(_limit((*history.delta_norms, own_norm), tolerance), step_bound)
-    distance_limit = _limit([d for d in history.distances if d > 0] or (own_norm,), 2 * tolerance)
+    known = [d for d in history.distances if d > 0]
+    distance_limit = max(_limit(known, 2 * tolerance) if known else tolerance * own_norm, 2 * step_bound)
+    distance_limit = distance_limit if distance_limit > 0 else math.inf
     reasons = []
     if their_norm > delta_limit:
         reasons.append(f"pseudo-gradient norm {their_norm:.4g} over {delta_limit:.4g} ({tolerance:g}x the median)")
