@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers.hostile import HostileRun, run_hostile
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(600)]
 
 CLEAN_VAL_LOSS = 4.2  # the clean run's validation loss at 12 steps is 3.7-3.8 (tiny init, lr 1e-2)
 
