@@ -18,12 +18,12 @@ from shoal.config import RunConfig
 from shoal.dashboard.history import History
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
+from shoal.http import answer_one_request
 from shoal.node.status import swarm_needs
 
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).parent / "static" / "index.html"
-REQUEST_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 8192
 READ_TIMEOUT_S = 30.0  # one DHT read of the run's node records
 
@@ -108,19 +108,7 @@ class Dashboard:
         return "404 Not Found", b"see / and /api/state\n", "text/plain"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
-            status, body, kind = self._respond(method, path)
-            header = f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            writer.write((header + "Cache-Control: no-store\r\nConnection: close\r\n\r\n").encode("latin-1"))
-            if method != "HEAD":
-                writer.write(body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass  # a client that left, or sent no request within the limits: nothing to answer
-        finally:
-            writer.close()
+        await answer_one_request(reader, writer, self._respond, "Cache-Control: no-store\r\n")
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from shoal.errors import UsageError
+from shoal.http import answer_one_request
 from shoal.protocol.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "shoal"
-REQUEST_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 8192
 
 # Abandon reasons are free text (peer ids, stage numbers, a peer's own words): a label takes only
@@ -237,19 +237,7 @@ class MetricsServer:
             return "500 Internal Server Error", b"scrape failed: see the node's log\n", "text/plain"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
-            status, body, kind = self._respond(method, path)
-            header = f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            writer.write((header + "Connection: close\r\n\r\n").encode("latin-1"))
-            if method != "HEAD":
-                writer.write(body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass  # a client that left, or sent no request within the limits: nothing to answer
-        finally:
-            writer.close()
+        await answer_one_request(reader, writer, self._respond)
 
     async def shutdown(self) -> None:
         if self.server is not None:
