@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 
 from shoal.planning.costs import CostModel
+from shoal.planning.group_paths import group_counts, plan_group_paths
 from shoal.planning.paths import block_visits, stage_moves, visit_quotas
 from shoal.planning.plan import IterationPlan, Route, Timing
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
@@ -44,6 +45,11 @@ class SkipPipeOptions:
     small_stage: int = 12  # stages this small have every node tried
     search_budget: int = 600  # microbatch placements across perturbed re-plans (collision-aware only)
     noise: float = 0.1
+    # group paths (`group_paths.py`): a few fixed paths per data node, searched in at most
+    # min(group_search, 4 x search_budget) timings; only in swarms of at most group_max_nodes nodes
+    group_search: int = 2400
+    group_restarts: int = 3
+    group_max_nodes: int = 64
 
 
 @dataclass
@@ -69,7 +75,9 @@ def plan_skippipe(
     With collision avoidance and an `rng`, the plan is redone while `options.search_budget`
     microbatch placements last (20 plans at the paper's 30 microbatches, one at 600 or more), each
     choice perturbed (paths ranked by finish + U(0, noise) x round trip); the plan with the shortest
-    makespan is kept. An anytime search like the authors' CBS, but with a bounded budget.
+    makespan is kept. An anytime search like the authors' CBS, but with a bounded budget. In a small
+    swarm a plan with a few fixed paths per data node (the authors' groups; see `group_paths.py`) is
+    searched too, and kept when its makespan is shorter.
     """
     best = _Planner(swarm, cost, options, None).plan(microbatches)
     if not options.collision_aware or rng is None:
@@ -78,6 +86,24 @@ def plan_skippipe(
         trial = _Planner(swarm, cost, options, rng).plan(microbatches)
         if trial.predicted_makespan_s < best.predicted_makespan_s - 1e-9:
             best = trial
+    evaluations = min(options.group_search, 4 * options.search_budget)
+    if evaluations > 0 and len(swarm.nodes) <= options.group_max_nodes:
+        visits = block_visits(swarm.stages, options.skip)
+        for groups in group_counts(swarm, microbatches, visits)[:1]:
+            grouped = plan_group_paths(
+                swarm,
+                cost,
+                microbatches,
+                visits,
+                groups,
+                options.max_swaps,
+                options.max_jump,
+                evaluations,
+                rng,
+                options.group_restarts,
+            )
+            if grouped is not None and grouped.predicted_makespan_s < best.predicted_makespan_s - 1e-9:
+                best = grouped
     return best
 
 
