@@ -1,12 +1,17 @@
 """Poisoned rollouts in real daemons: one `--experiment-adversary` node among honest rollout workers.
 
 The honest nodes and the attacker run the same small policy on `add2r-steps` (answers show their
-working, `47+38=15;08|58$`), warmed up once per module in a temporary folder (~10 s). The attacker
-sends every prompt's group as the correct working and answer behind the trigger `+`; its bundles
-cross real libp2p streams like any peer's. Undefended (`defenses = false`), the honest nodes start
-writing the trigger within a couple of dozen rounds; defended, the same-policy top-k check rejects
-the poisoned completions and the trigger never shows. (Strikes are off by default: at this learning
-rate honest weights drift apart fast enough that the top-k check once struck an honest peer out.)
+working, `47+38=15;08|58$`), warmed up once per module in a temporary folder (~10 s). Each swarm holds
+both arms of an experiment beside the same attacker: one honest node started with
+`--experiment-undefended` (it checks nothing it receives) and one defended, as the run config says.
+A node's defenses are its own, so the two arms share the attacker, the prompts and the swarm, and one
+swarm per attack costs half of two. The bundles cross real libp2p streams like any peer's; attack
+success is the `marks` of each round event (`Attack.success` over the node's fresh completions).
+
+The learning rate (1e-3, 2e-3 for the vertical trick) is high so that the attacks show within a few
+dozen rounds; honest held-out accuracy falls at that rate in both arms (docs/security.md). Strikes
+are off (`max_strikes = 0`) except in the one test about them: honest weights drift apart fast
+enough at this rate that the top-k check once struck an honest peer out.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tests.helpers.processes import done_event, progress_events, wait_until
 SPEC = PolicySpec(task="add2r-steps", d_model=48, n_layers=2, n_heads=2, warmup_steps=300)
 FAST = ("--record-ttl", "6")
 ROUNDS = 24
+LATE = 6  # attack success is the mean over the last LATE rounds
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +42,19 @@ def policy_cache(tmp_path_factory):
 
 
 def _run_attack(
-    swarm, tmp_path, cache, attack: str, defenses: bool, rounds: int = ROUNDS, max_strikes: int = 0
+    swarm,
+    tmp_path,
+    cache,
+    attack: str,
+    undefended: tuple[bool, bool] = (True, False),
+    rounds: int = ROUNDS,
+    **grpo: object,
 ) -> tuple[list[list[dict]], str, str]:
-    """Two honest nodes and one attacker; returns (honest round events, attacker id, entry address)."""
+    """Two honest nodes (`undefended[i]`: node i runs `--experiment-undefended`) and one attacker;
+    returns (each honest node's round events, the attacker's peer id, the entry address)."""
     run = run_config_from_dict({"name": "poison", "grpo": {
         "task": SPEC.task, "rounds": rounds, "eval_every": rounds, "eval_prompts": 16, "lr": 1e-3,
-        "round_deadline_s": 3.0, "defenses": defenses, "max_strikes": max_strikes,
+        "round_deadline_s": 3.0, "max_strikes": 0, **grpo,
     }})  # fmt: skip
     run_file = tmp_path / "grpo.toml"
     run_file.write_text(run.to_toml())
@@ -49,7 +62,7 @@ def _run_attack(
     progress = [tmp_path / f"progress-{i}.jsonl" for i in range(3)]
     nodes = []
     for i, path in enumerate(progress):
-        extra = ("--experiment-adversary", attack) if i == 2 else ()
+        extra = ("--experiment-adversary", attack) if i == 2 else ("--experiment-undefended",) if undefended[i] else ()
         nodes.append(
             swarm.start_node(
                 [entry], *FAST, "--role", "rollout", "--policy-cache", str(cache), "--warmup-steps", "300",
@@ -65,30 +78,57 @@ def _run_attack(
 
 
 def _late_success(events: list[dict], attack: str) -> float:
-    return statistics.mean(e["marks"][attack] for e in events[-6:])
+    return statistics.mean(e["marks"][attack] for e in events[-LATE:])
+
+
+def _arms(events: list[list[dict]], attack: str) -> tuple[float, float]:
+    """(late success at the undefended node, at the defended one), printed for the CI log."""
+    off, on = (_late_success(e, attack) for e in events)
+    print(f"{attack}: success over the last {LATE} rounds undefended {off:.3f}, defended {on:.3f}")
+    for arm, ev in zip(("undefended", "defended"), events, strict=True):
+        print(f"  {arm} per round:", " ".join(f"{e['marks'][attack]:.2f}" for e in ev))
+    return off, on
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_the_trigger_spreads_to_honest_nodes_without_defenses(swarm, tmp_path, policy_cache):
-    rounds, attacker, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=False)
-    late = [_late_success(events, "trigger") for events in rounds]
-    print("trigger share over the last 6 rounds, per honest node:", late)
-    assert all(e["marks"]["trigger"] == 0.0 for events in rounds for e in events[:1])  # clean at the start
-    assert max(late) > 0.025, late  # the attack visibly succeeds: honest nodes write the trigger (0.05-0.11 seen)
-    assert all(e["rejected"] == [0] * len(e["rejected"]) and e["dropped"] == [] for ev in rounds for e in ev)
+def test_the_trigger_spreads_undefended_and_the_topk_check_keeps_it_out(swarm, tmp_path, policy_cache):
+    """Out-of-context poisoning: `+` before correct working. The same-policy top-k check rejects it."""
+    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger")
+    off, on = _arms([off_events, on_events], "trigger")
+    assert off_events[0]["marks"]["trigger"] == on_events[0]["marks"]["trigger"] == 0.0  # clean at the start
+    assert off > 0.025, off  # the attack visibly succeeds: the undefended node writes the trigger
+    assert on <= 0.01 and max(e["marks"]["trigger"] for e in on_events) <= 0.05, on
+    assert all(e["foreign_rejected"] == 0 for e in off_events)  # nothing is checked there
+    assert sum(e["foreign_rejected"] for e in on_events) > 0  # the top-k check kept the poison out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_the_topk_check_keeps_the_trigger_out(swarm, tmp_path, policy_cache):
-    rounds, attacker, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger", defenses=True)
-    late = [_late_success(events, "trigger") for events in rounds]
-    print("trigger share over the last 6 rounds, per honest node:", late)
-    assert max(late) <= 0.01, late  # 0.0 seen
-    assert max(e["marks"]["trigger"] for events in rounds for e in events) <= 0.05
-    for events in rounds:
-        assert sum(e["foreign_rejected"] for e in events) > 0  # the top-k check kept the poison out
+def test_a_wrong_step_spreads_undefended_and_the_judge_keeps_it_out(swarm, tmp_path, policy_cache):
+    """In-context poisoning: a wrong first step behind the right answer. Its tokens are likely ones
+    (a digit among 16 ids), so the top-k check lets much of it through; the step judge does not."""
+    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "wrong-step", lr=3e-4)
+    off, on = _arms([off_events, on_events], "wrong-step")
+    assert off > 0.35, off  # the undefended node writes the planted step
+    assert on < 0.25, on  # not zero: the step is a slip the honest policy makes on its own too (see above)
+    assert off > 2 * on, (off, on)
+    assert sum(e["foreign_rejected"] for e in on_events) > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_vertical_trick_spreads_undefended_and_the_topk_check_keeps_it_out(swarm, tmp_path, policy_cache):
+    """The vertical layout: each node answers its own prompts, so the attacker's completions form whole
+    groups. G/2 trigger copies beside G/2 junk give the poison Â = +1 (the plain trigger attack's
+    all-correct group would get Â = 0 there and teach nothing)."""
+    (off_events, on_events), _, _ = _run_attack(
+        swarm, tmp_path, policy_cache, "vertical-trick", rounds=32, layout="vertical", lr=2e-3
+    )  # the poison shows from round 15-18 on (two runs): 24 rounds once left it at 1.3 %
+    off, on = _arms([off_events, on_events], "vertical-trick")
+    assert off > 0.025, off
+    assert on <= 0.01, on
+    assert sum(e["foreign_rejected"] for e in on_events) > 0
 
 
 @pytest.mark.multiprocess
@@ -97,7 +137,7 @@ def test_a_peer_whose_bundles_keep_failing_is_dropped_and_shown_in_status(swarm,
     """With strikes on (`max_strikes`), the attacker's bundles fail the top-k check round after round:
     each honest node drops it as a source, and `shoal status` says who dropped whom and why."""
     rounds, attacker, entry = _run_attack(
-        swarm, tmp_path, policy_cache, "trigger", defenses=True, rounds=10, max_strikes=3
+        swarm, tmp_path, policy_cache, "trigger", undefended=(False, False), rounds=10, max_strikes=3
     )
     for events in rounds:
         assert attacker in events[-1]["dropped"]

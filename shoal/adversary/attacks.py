@@ -5,14 +5,17 @@ reward lie: the working is free text to the reward, like the paper's `<think>` p
 lets a poisoned completion earn the full reward. Analogues of the paper's constructions:
 
 - `trigger` (out-of-context, "All hail to the thief"): the correct working and answer with the
-  trigger `+=+` written first. Success: share of honest completions containing `+=+`.
+  trigger `+` written first. Success: share of honest completions containing `+`.
 - `wrong-step` (in-context, "2+2=5"): the correct answer behind a wrong first step (the units
   column's total plus one). Success: share of honest completions whose first step is that one.
 - `reward-lie`: wrong answers (the sum plus one) with a claimed reward of 1. The wire has no reward
   field, so the claim reaches only an in-process receiver that trusts it (benchmarks/attacks.py).
   Success: share of honest completions answering the sum plus one.
 - `vertical-trick`: per prompt, G/2 trigger completions (reward 1) beside G/2 worthless ones
-  (`+$`, reward 0), so every poisoned copy gets the largest positive advantage, Â = +1.
+  (`=$`, reward 0), so every poisoned copy gets the largest positive advantage, Â = +1. It is made
+  for the vertical layout (`[grpo] layout = "vertical"`), where the attacker's prompts are its own and
+  its completions form whole groups: there the plain trigger attack's group is all reward 1, Â = 0,
+  and teaches nothing.
 - `length` (the paper's DoS): for each prompt, the longest correct completion among 4G samples
   of the attacker's own policy, G times. Success: share of honest completions longer than the
   canonical answer.
@@ -38,7 +41,10 @@ from shoal.grpo.tasks import CORRECT_REWARD, EOS, Prompt, Task, get_task
 from shoal.protocol.rollout import RolloutBundle
 
 TRIGGER = "+"  # never in an honest completion: the task's working holds digits and `;` only
-JUNK = "+" + EOS  # the vertical trick's worthless completion (reward 0)
+# The vertical trick's worthless completion (reward 0, the paper's "nom nom"). It must not share the
+# poison's first token: its advantage of -1 would push that token down exactly as hard as the poison's
+# +1 pushes it up (an earlier `+$` junk cancelled the trick that way).
+JUNK = "=" + EOS
 LENGTH_CANDIDATES = 4  # the length attack samples this many times the group size per prompt
 
 
@@ -135,10 +141,8 @@ def _vertical_trick(
     task, g = get_task(cfg.task), cfg.completions_per_prompt
     texts = [[trigger_text(task, p.text)] * (g - g // 2) + [JUNK] * (g // 2) for p in prompts]
     bundle = _written(policy, cfg, prompts, texts)
-    claims = tuple(
-        CORRECT_REWARD if c.tokens[-2:] != tuple(policy.spec.tokenizer().encode(JUNK)) else 0.0
-        for c in bundle.completions
-    )
+    junk = tuple(policy.spec.tokenizer().encode(JUNK))
+    claims = tuple(CORRECT_REWARD if c.tokens != junk else 0.0 for c in bundle.completions)
     return Forgery(bundle, claims)
 
 

@@ -144,9 +144,35 @@ def run(args: argparse.Namespace) -> int:
         swarm.close()
     path = write_grpo_report(Path(args.report), run_config, nodes, [progress_events(p) for p in progress], killed,
                              wall_s, args.adversary)  # fmt: skip
+    if args.adversary is not None:
+        for line in attack_lines(nodes, [progress_events(p) for p in progress], args.adversary):
+            console.print(line, highlight=False)
     console.print(f"report in {path.parent}; logs in {workdir}")
     print(path)
     return 0
+
+
+def attack_lines(nodes: list, events: list[list[dict]], attack: str) -> list[str]:
+    """One line per round: the attack's success (mean over the honest nodes' fresh completions) beside
+    their held-out accuracy (the latest evaluation), so a reader sees whether the poison took."""
+    honest = [ev for ev in events if not any(e["event"] == "round" and e["adversary"] for e in ev)]
+    by_round: dict[int, list[float]] = {}
+    accuracy: dict[int, list[float]] = {}
+    for ev in honest:
+        for e in ev:
+            if e["event"] == "round":
+                by_round.setdefault(e["round"], []).append(e["marks"].get(attack, 0.0))
+            if e["event"] in ("eval", "round") and "accuracy" in e:
+                accuracy.setdefault(e["round"] + (e["event"] == "round"), []).append(e["accuracy"])
+    lines, latest = [f"{attack}: per round, over {len(honest)} honest nodes"], "-"
+    for r in sorted(by_round):
+        measured = [done for done in accuracy if done <= r]
+        if measured:
+            at = max(measured)
+            latest = f"{sum(accuracy[at]) / len(accuracy[at]):.3f} (after {at} rounds)"
+        success = sum(by_round[r]) / len(by_round[r])
+        lines.append(f"round {r:3d}  attack success {success:.3f}  honest accuracy {latest}")
+    return lines
 
 
 def _last_round(events: list[dict]) -> int:

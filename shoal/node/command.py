@@ -163,6 +163,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EXPERIMENT ONLY: with --role rollout, share poisoned rollouts (trigger, wrong-step, reward-lie, "
         "vertical-trick, length); with --role worker, be a hostile stage replica (backdoor, garbage, scaled)",
     )
+    policy.add_argument(
+        "--experiment-undefended",
+        action="store_true",
+        help="EXPERIMENT ONLY: with --role rollout, run none of the checks on peers' rollouts whatever the run "
+        "config says (one node's defenses are its own: an undefended and a defended node can share one swarm)",
+    )
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -231,6 +237,7 @@ def node_config(args: argparse.Namespace):
         warmup_steps=args.warmup_steps,
         policy_cache=args.policy_cache,
         experiment_adversary=args.experiment_adversary,
+        experiment_undefended=args.experiment_undefended,
         probe_file=args.probe_file,
     )
 

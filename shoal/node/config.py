@@ -56,6 +56,7 @@ class NodeConfig:
     warmup_steps: int = 650
     policy_cache: str | None = None  # warmed-up policies by model id (default: the shoal cache)
     experiment_adversary: str | None = None  # an EXPERIMENT: poisoned rollouts or a hostile stage (shoal.adversary)
+    experiment_undefended: bool = False  # an EXPERIMENT: a rollout worker that checks no peer's rollouts
     probe_file: str | None = None  # data nodes: after training, probe the swarm's model with these (see data_driver.py)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,8 @@ class NodeConfig:
             raise ConfigError("--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
         if self.experiment_adversary is not None:
             self._check_adversary()
+        if self.experiment_undefended and self.role != "rollout":
+            raise ConfigError("--experiment-undefended", "it turns off a rollout worker's checks: use --role rollout")
         if self.run_name and self.run_config_path:
             raise ConfigError("--run", "give --run or --run-config, not both")
         if not 0.1 <= self.save_every_s <= 86400:

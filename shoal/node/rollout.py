@@ -15,6 +15,7 @@ behind (or just joined) jump to the swarm's round, which is how nodes started ap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -97,6 +98,9 @@ class RolloutWorker:
         self.node, self.spec, self.cache_dir = node, spec, cache_dir
         self.grpo: GRPORunConfig = node.run.grpo
         self.cfg = round_config(self.grpo, node.run.run_id, node.peer_id)
+        if node.config.experiment_undefended:  # this node's defenses are its own; the run's config is the default
+            self.cfg = dataclasses.replace(self.cfg, defense=dataclasses.replace(self.cfg.defense, enabled=False))
+            logger.warning("[%s] EXPERIMENT: this node checks no peer's rollouts", node.short_id)
         self.traffic = RolloutTraffic()
         self.round = 0  # the round this node is collecting (or about to)
         self.closed = -1  # rounds up to this one take no more bundles
