@@ -116,8 +116,9 @@ class PipelineDefenseConfig:
     each step a data node, with probability `audit_rate`, sends one microbatch's activation to two
     replicas of a stage and compares their outputs against the spread it has seen between replicas
     (`audit_tolerance` times its median, never below `audit_min_spread`); a disagreement is settled by
-    a third replica when the stage has one. After `audit_failures` failed audits a replica is excluded
-    from that data node's routes and listed, with the reason, in its record and in `shoal status`."""
+    a third replica when the stage has one. Blamed in `audit_failures` of the last `audit_memory`
+    audits it took part in, a replica is excluded from that data node's routes and listed, with the
+    reason, in its record and in `shoal status`."""
 
     robust_outer: bool = True
     outer_tolerance: float = 3.0
@@ -126,7 +127,8 @@ class PipelineDefenseConfig:
     audit_tolerance: float = 2.5
     audit_min_spread: float = 0.5  # output distance / update size an audit always lets pass
     audit_window: int = 32  # passed audits per stage the median spread is taken over
-    audit_failures: int = 2
+    audit_failures: int = 2  # blamed audits, among a replica's last `audit_memory`, that exclude it
+    audit_memory: int = 3
 
 
 GRPO_LAYOUTS = ("horizontal", "vertical")
@@ -384,6 +386,11 @@ def _validate_defense(f: PipelineDefenseConfig) -> None:
     need(0.0 < f.audit_min_spread <= 100.0, "audit_min_spread", f"must be in (0, 100], got {f.audit_min_spread}")
     need(1 <= f.audit_window <= 10_000, "audit_window", f"must be in 1..10000, got {f.audit_window}")
     need(1 <= f.audit_failures <= 1000, "audit_failures", f"must be in 1..1000, got {f.audit_failures}")
+    need(
+        f.audit_failures <= f.audit_memory <= 1000,
+        "audit_memory",
+        f"must be in audit_failures..1000, got {f.audit_memory}",
+    )
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

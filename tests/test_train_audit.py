@@ -47,7 +47,8 @@ def test_two_disagree_a_referee_settles_it_and_the_odd_one_is_blamed(attack):
     assert verdict.blamed == ("r0",) and not verdict.passed
     after = learn(spread, result, verdict, CONFIG)
     assert max(after.deviations) < 0.5  # only the agreeing majority taught the spread
-    assert not excluded(1, CONFIG) and excluded(2, CONFIG)
+    assert not excluded([True], CONFIG) and excluded([True, True], CONFIG) and excluded([True, False, True], CONFIG)
+    assert not excluded([True, False, False, True], CONFIG)  # an honest replica's odd blames do not add up
 
 
 def test_larger_honest_drift_than_usual_blames_nobody_when_the_majority_drifts_too():
@@ -84,3 +85,22 @@ def test_refusals_exclude_a_replica_only_with_two_accusers_and_a_majority():
     assert refused_by_partners({"b": {"a"}, "c": {"a"}}, stage_of, ignore={"c"}) == {}  # an excluded one's word
     assert refused_by_partners({"a": {"b"}, "b": {"a"}}, {"a": 1, "b": 1}) == {}  # two alone never exclude
     assert refused_by_partners({"b": {"z"}, "c": {"z"}}, stage_of) == {}  # only replicas of its own stage count
+
+
+def test_twins_count_as_one_witness_and_blame_nobody():
+    """Two replicas that just took each other as NoLoCo partners give identical outputs; a third one,
+    left out of the pairs, is honestly far from both: one pair of weights is not a majority."""
+    gen = torch.Generator().manual_seed(5)
+    x, ys = outputs(gen, drift=1.0, n=2)
+    ys["r2"] = ys["r0"].clone()  # r0 and r2 averaged together
+    result = measure(x, ys)
+    assert result.witnesses == 2
+    assert result.deviations[0] == result.deviations[2] == result.deviations[1] > 0.5  # twins: distance to r1
+    verdict = judge(result, StageSpread(), CONFIG, referee_available=False)
+    assert not verdict.blamed
+    assert learn(StageSpread(), result, verdict, CONFIG) == StageSpread()  # nothing learnt from it either
+    x, ys = outputs(gen, drift=0.1, n=2)  # twins beside two distinct witnesses: a majority can blame again
+    ys["r2"], ys["r3"] = ys["r0"].clone(), garbage_like(ys["r0"], gen, 65504.0)
+    result = measure(x, ys)
+    assert result.witnesses == 3
+    assert judge(result, StageSpread((0.15,) * 8), CONFIG, referee_available=False).blamed == ("r3",)

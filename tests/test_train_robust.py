@@ -85,6 +85,30 @@ def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
     ).accepted
 
 
+def test_a_replica_that_never_took_a_partner_takes_one_as_far_as_it_drifted_but_not_garbage():
+    """One of three NoLoCo replicas is always left without a partner; after four epochs alone one was
+    honestly 4.4 from the others (paired ones were 0.9-1.7 apart) in a daemon run, and refused them."""
+    phi, delta = [torch.full((4,), 6.0)], [torch.full((4,), 0.1)]  # ‖θ‖ = 12.2, ‖Δ_own‖ = 0.2
+    history = OuterHistory(delta_norms=(1.5, 1.5, 1.0))
+    for moved in (1.1, 1.5, 1.3, 1.0):  # four local steps: no partner came
+        history = remember(history, 1.0, None, 8, moved)
+    assert history.alone == pytest.approx(4.9) and not history.took_any
+    honest = [torch.full((4,), 8.2)]  # slow weights 4.4 away: within twice its drift since it started
+    verdict = screen_partner(phi, delta, honest, delta, history, tolerance=3.0)
+    assert verdict.accepted and verdict.distance_limit == pytest.approx(2 * (4.9 + 0.2))
+    garbage = [torch.full((4,), -2.0)]  # 16 away, further than its own weights' size: shares nothing with it
+    assert not screen_partner(phi, delta, garbage, delta, history, tolerance=3.0).accepted
+    refused = remember(history, 0.2, screen_partner(phi, delta, garbage, delta, history, 3.0), 8, moved=0.7)
+    assert refused.alone == history.alone  # refusing an attacker does not loosen the bound it is judged by
+    after = remember(history, 0.2, verdict, 8, moved=0.7)
+    assert after.alone == 0.0 and after.took_any and after.distances == (verdict.distance,)
+    for moved in (1.1, 1.5, 1.3, 1.0):  # alone again: from now on its distances judge, not its drift
+        after = remember(after, 1.0, None, 8, moved)
+    far = [torch.full((4,), 6.0 + 4.4)]  # 8.8 away: under 2A = 10.2, over 2k x its median distance 4.4
+    assert screen_partner(phi, delta, far, delta, history, tolerance=0.9).accepted
+    assert not screen_partner(phi, delta, far, delta, after, tolerance=0.9).accepted
+
+
 def test_the_step_bound_is_what_adamw_steps_can_move():
     assert adam_step_bound([0.01, 0.02], parameters=10_000) == pytest.approx(3.0)
 

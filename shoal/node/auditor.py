@@ -5,10 +5,11 @@ microbatch of the step, picks a block stage with at least two replicas it still 
 the same activation, the stage's input, to two of them (for stage s > 1, the input is what one pass
 through stages 1..s−1 returned). Their outputs come home instead of going on. The decision is the
 pure `shoal.train.audit.judge`; when the two disagree and the stage has a third replica, the third
-one referees. A replica blamed in `defense.audit_failures` audits is excluded from this data node's
-routes (and its replacements) for the rest of the run, and listed with the reason in the data node's
-record, so `shoal status` shows it. Replicas that at least two others of their stage refused as
-averaging partners (their records' `excluded`) are excluded the same way.
+one referees. A replica blamed in `defense.audit_failures` of the last `defense.audit_memory` audits
+it took part in is excluded from this data node's routes (and its replacements) for the rest of the
+run, and listed with the reason in the data node's record, so `shoal status` shows it. Replicas that
+at least two others of their stage refused as averaging partners (their records' `excluded`) are
+excluded the same way.
 
 An audit forward is an evaluation forward to a route of one hop: a replica that recognises audits
 can behave only there (docs/security.md, "what the defenses do not stop").
@@ -48,10 +49,12 @@ class Auditor:
             min_spread=defense.audit_min_spread,
             window=defense.audit_window,
             failures=defense.audit_failures,
+            memory=defense.audit_memory,
         )
         self.rng = random.Random(f"{driver.run.run_id}:audit:{self.node.peer_id}")
         self.spreads: dict[int, StageSpread] = {}
         self.blames: Counter[str] = Counter()
+        self.outcomes: dict[str, list[bool]] = {}  # per replica, blamed or not in each audit it took part in
         self.excluded: dict[str, str] = {}  # peer -> why, in the order they were excluded
         self.audits = self.passed = self.failed = self.referees = 0
         self.audit_s: list[float] = []
@@ -140,6 +143,9 @@ class Auditor:
 
     def _act(self, step: int, stage: int, result, verdict) -> None:
         deviations = {p[-8:]: round(d, 3) for p, d in zip(result.peers, result.deviations, strict=True)}
+        for peer in result.peers:
+            self.outcomes.setdefault(peer, []).append(peer in verdict.blamed)
+            del self.outcomes[peer][: -self.config.memory]
         if verdict.passed:
             self.passed += 1
             logger.info("[%s] step %d: audit of stage %d passed %s (threshold %.3g)", self.node.short_id, step,
@@ -150,9 +156,10 @@ class Auditor:
                        deviations, verdict.reason, [p[-8:] for p in verdict.blamed])  # fmt: skip
         for peer in verdict.blamed:
             self.blames[peer] += 1
-            if excluded(self.blames[peer], self.config):
-                self.exclude(peer, f"stage {stage}: failed {self.blames[peer]} audits, last at step {step}: "
-                                   f"{verdict.reason}")  # fmt: skip
+            recent = self.outcomes[peer]
+            if excluded(recent, self.config):
+                self.exclude(peer, f"stage {stage}: failed {sum(recent)} of its last {len(recent)} audits, last at "
+                                   f"step {step}: {verdict.reason}")  # fmt: skip
 
     async def _stage_input(self, stage: int, tokens: torch.Tensor, step: int) -> torch.Tensor | None:
         """The activation stage `stage` takes for these tokens: the embedding, or (stage > 1) what one

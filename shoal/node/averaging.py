@@ -39,7 +39,7 @@ from shoal.train.outer import (
     pseudo_gradient,
     replica_distance,
 )
-from shoal.train.robust import OuterHistory, adam_step_bound, distance, norm, remember, screen_partner
+from shoal.train.robust import OuterHistory, PartnerVerdict, adam_step_bound, distance, norm, remember, screen_partner
 from shoal.train.schedule import learning_rate
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class NoLoCoAverager:
 
     async def _apply(self, epoch: int, delta: list[torch.Tensor], theirs) -> None:
         before = self.state
-        theirs = self._screened(epoch, delta, theirs)
+        theirs, verdict = self._screened(epoch, delta, theirs)
         if theirs is None:
             self.state = local_step(before, delta, self.config)
             self.local_steps += 1
@@ -176,7 +176,10 @@ class NoLoCoAverager:
             self.node.replica_distance = self.distances[-1][1]
             self.pair_steps += 1
         gap = self.distances[-1][1] if theirs is not None else None  # ‖θ_partner − θ‖ of what we took
-        entry = [epoch, self._taken_from, theirs is not None, norm(delta), distance(self.state.phi, before.phi), gap]
+        moved = distance(self.state.phi, before.phi)
+        if self.robust:
+            self.history = remember(self.history, norm(delta), verdict, self.window, moved)
+        entry = [epoch, self._taken_from, theirs is not None, norm(delta), moved, gap]
         self.outer_log.append([round(v, 6) if isinstance(v, float) else v for v in entry])
         await self.worker.compute(load_slow_weights, self.worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch
@@ -276,9 +279,11 @@ class NoLoCoAverager:
 
     # ---- the robust outer step (docs/security.md) -----------------------------------------------------
 
-    def _screened(self, epoch: int, delta: list[torch.Tensor], theirs) -> tuple[list, list] | None:
-        """A partner's (φ, Δ) if the robust outer step takes it, else None (a local step); and our
-        history of the stage's outer steps, updated either way."""
+    def _screened(
+        self, epoch: int, delta: list[torch.Tensor], theirs
+    ) -> tuple[tuple[list, list] | None, PartnerVerdict | None]:
+        """A partner's (φ, Δ) if the robust outer step takes it, else None (a local step); and the
+        verdict (None: no partner, or no screening), for our history of the stage's outer steps."""
         verdict, self._taken_from = None, None
         if theirs is not None:
             their_phi, their_delta, partner = theirs
@@ -296,9 +301,7 @@ class NoLoCoAverager:
                                    partner[-8:], verdict.reason)  # fmt: skip
                     self.worker.spawn(self.node.publish(), "publish a refusal")  # data nodes act on it: say it now
                     theirs = None
-        if self.robust:
-            self.history = remember(self.history, norm(delta), verdict, self.window)
-        return theirs
+        return theirs, verdict
 
     def _step_bound(self, epoch: int) -> float:
         """M for this epoch's H inner steps (robust.adam_step_bound), at the run's learning rates."""

@@ -8,7 +8,8 @@ returns garbage or scaled activations stands out; one that runs weights moved aw
 replica i with output y_i of input x:
 
     deviation_i = min_j≠i ‖y_i − y_j‖ / u          distance to the nearest other replica's output, in
-                                                   units of u, the lower median of the ‖y_j‖
+                                                   units of u, the lower median of the ‖y_j‖ (twins
+                                                   left out, below)
     threshold   = max(k · median(passed deviations of this stage), min_spread)
 
 (The unit is the output's size, not the stage's update ‖y − x‖: early in training a block adds little
@@ -19,7 +20,12 @@ An audit passes when every deviation is within the threshold. With two replicas 
 who is wrong: a third replica referees, and the replica far from a majority that agrees among itself
 is blamed (`judge`); without one, nobody is (a stage of two replicas is not audited in effect: an
 update-size rule was tried and blamed honest replicas early in training, when one step more changes a
-block's output a lot). Only what passed teaches the spread, so a hostile replica cannot widen it.
+block's output a lot). Replicas whose outputs are identical (twins: two that just took each other as
+NoLoCo partners run the same weights) are one witness, not two: a twin's deviation is its distance to
+the nearest replica that is not its twin, and an audit with fewer than three distinct outputs blames
+nobody. (Counting twins twice blamed an honest third replica, left out of NoLoCo's pairs for a few
+epochs, as far from a "majority" that was one pair of weights.) Only what passed teaches the spread,
+so a hostile replica cannot widen it.
 Pure: tensors and tuples in, verdicts and a new history out; the data node does the sending
 (shoal/node/auditor.py).
 """
@@ -27,7 +33,7 @@ Pure: tensors and tuples in, verdicts and a new history out; the data node does 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +46,8 @@ class AuditConfig:
     tolerance: float = 2.5  # k
     min_spread: float = 0.5  # a deviation below this always passes (before the spread is known, too)
     window: int = 32  # passed audits per stage that the median spread is taken over
-    failures: int = 2  # failed audits before a replica is excluded
+    failures: int = 2  # blamed audits, among its last `memory` audits, before a replica is excluded
+    memory: int = 3
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,14 @@ class StageSpread:
     deviations: tuple[float, ...] = ()
 
 
+TWIN_GAP = 1e-6  # outputs closer than this, in units of the output's size, come from the same weights
+
+
 @dataclass(frozen=True)
 class AuditMeasure:
     peers: tuple[str, ...]
     deviations: tuple[float, ...]  # per peer, see the module docstring
+    witnesses: int  # distinct outputs (twins counted once)
 
 
 @dataclass(frozen=True)
@@ -74,11 +85,14 @@ def measure(x: torch.Tensor, outputs: Mapping[str, torch.Tensor]) -> AuditMeasur
     ys = [outputs[p].detach().to(x64.device).double() for p in peers]
     sizes = sorted(float(torch.linalg.vector_norm(y)) for y in ys)
     unit = max(sizes[(len(sizes) - 1) // 2], 1e-12 * float(torch.linalg.vector_norm(x64)), 1e-30)
+    gaps = [[float(torch.linalg.vector_norm(a - b)) / unit for b in ys] for a in ys]
+    twins = [[j != i and gaps[i][j] <= TWIN_GAP for j in range(len(ys))] for i in range(len(ys))]
     deviations = []
-    for i, y in enumerate(ys):
-        nearest = min(float(torch.linalg.vector_norm(y - other)) for j, other in enumerate(ys) if j != i)
-        deviations.append(nearest / unit)
-    return AuditMeasure(peers, tuple(deviations))
+    for i in range(len(ys)):
+        others = [gaps[i][j] for j in range(len(ys)) if j != i and not twins[i][j]]
+        deviations.append(min(others) if others else 0.0)
+    witnesses = sum(not any(twins[i][:i]) for i in range(len(ys)))  # the first of each group of twins
+    return AuditMeasure(peers, tuple(deviations), witnesses)
 
 
 def threshold(spread: StageSpread, config: AuditConfig) -> float:
@@ -102,7 +116,7 @@ def judge(result: AuditMeasure, spread: StageSpread, config: AuditConfig, refere
         return AuditVerdict(True, (), False, limit, "")
     said = f"outputs {worst:.3g} apart (in units of the output's size)"
     n = len(result.peers)
-    if n >= 3:
+    if n >= 3 and result.witnesses >= 3:
         core = sorted(result.deviations)[n // 2]  # the spread of the closest majority (NaN sorts anywhere)
         limit = max(config.tolerance * max(core, typical), config.min_spread)
         far = tuple(p for p, d in zip(result.peers, result.deviations, strict=True) if not d <= limit)
@@ -116,10 +130,10 @@ def learn(spread: StageSpread, result: AuditMeasure, verdict: AuditVerdict, conf
     """The stage's spread after an audit: the deviation of a passed audit of two,
     or of the closest majority of three or more (blamed or not), enter it; nothing else does, and no
     deviation of zero."""
-    if not verdict.passed and not (verdict.blamed and len(result.peers) >= 3):
+    if not verdict.passed and not verdict.blamed:
         return spread
     keep = [i for i, p in enumerate(result.peers) if p not in verdict.blamed]
-    if len(result.peers) >= 3:  # the closest majority only: a replica just within the limit stays out
+    if result.witnesses >= 3:  # the closest majority only: a replica just within the limit stays out
         keep = sorted(keep, key=lambda i: result.deviations[i])[: len(result.peers) // 2 + 1]
     else:
         keep = keep[:1]  # two replicas: one distance
@@ -128,9 +142,13 @@ def learn(spread: StageSpread, result: AuditMeasure, verdict: AuditVerdict, conf
     return StageSpread(tuple(deviations[-config.window :]))
 
 
-def excluded(failures: int, config: AuditConfig) -> bool:
-    """Whether a replica blamed in `failures` audits is out of this data node's routes for good."""
-    return failures >= config.failures
+def excluded(recent: Sequence[bool], config: AuditConfig) -> bool:
+    """Whether a replica is out of this data node's routes for good: blamed (True) in `failures` of
+    the last `memory` audits it took part in, `recent` oldest first. A hostile replica's outputs are
+    off in nearly every audit; an honest one is off now and then (NoLoCo left it out of the pairs
+    for a few epochs, early in training when one step moves a block a lot), and those odd blames
+    must not add up over a long run."""
+    return sum(recent[-config.memory :]) >= config.failures
 
 
 def refused_by_partners(

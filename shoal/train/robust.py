@@ -8,7 +8,8 @@ received against the distribution it has seen over its recent outer steps:
     s_Δ = median(‖Δ‖ of its own last steps, this one included)
     s_D = median(‖θ_partner − θ‖ of the partners it accepted)
     NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > max(k·s_Δ, M)
-            or ‖θ_partner − θ‖ > max(2k·s_D, 2M)     (before any distance is known: max(k·‖Δ_own‖, 2M))
+            or ‖θ_partner − θ‖ > max(2k·s_D, 2M)
+            (before it took any partner: max(k·‖Δ_own‖, 2M, min(2A, ‖θ‖)))
     DiLoCo: the mean cannot be refused per partner, so it is clipped toward our own Δ, as one
             CenteredClip iteration (Karimireddy et al., 2021) centred on ours: radius 2k·s_D
 
@@ -22,8 +23,16 @@ two replicas that just averaged together) say nothing about the spread and are l
 medians. M, the most the epoch's AdamW steps can move a replica (each weight by about the learning
 rate per step: Σ_t lr_t·√(number of weights)), keeps a replica that took fewer steps than its partner
 this epoch (it served fewer microbatches, or none) from refusing it; two replicas that left the same
-slow weights are at most 2M apart. The Δ scale comes from our own
-steps only, and only accepted
+slow weights are at most 2M apart. A replica that never took a partner has no distances to go by,
+and NoLoCo's pairs leave one alone for several epochs now and then (one of three always is): it
+drifted honestly from where the stage started, and its first partner drifted about as much, so it
+takes one up to twice its own drift A away (the moves of its slow weights in its local steps, plus
+‖Δ_own‖; 4.4 apart after four epochs alone was refused before this), but never one further than
+‖θ‖, the size of its own weights: such a partner shares nothing with it (random weights of the right
+size are √2·‖θ‖ off). A grows only with our own measured moves, and only in epochs when no partner
+came at all: refusing an attacker epoch after epoch does not loosen the bound it is judged by (with
+this rule counting refusals too, a backdoor replica got into an honest replica that had refused it
+once). Once a partner was taken the distances take over. The Δ scale comes from our own steps only, and only accepted
 partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
 accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
 history out.
@@ -47,6 +56,8 @@ class OuterHistory:
 
     delta_norms: tuple[float, ...] = ()  # its own ‖Δ‖
     distances: tuple[float, ...] = ()  # ‖θ_partner − θ‖ of accepted partners (DiLoCo: ‖mean − Δ‖)
+    alone: float = 0.0  # Σ ‖φ_new − φ‖ of its local steps since it last took a partner (A less ‖Δ_own‖)
+    took_any: bool = False  # whether it ever took a partner
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,11 @@ def screen_partner(
     gap = distance(their_theta, theta)
     delta_limit = max(_limit((*history.delta_norms, own_norm), tolerance), step_bound)
     known = [d for d in history.distances if d > 0]
-    distance_limit = max(_limit(known, 2 * tolerance) if known else tolerance * own_norm, 2 * step_bound)
+    if known or history.took_any:
+        distance_limit = max(_limit(known, 2 * tolerance) if known else tolerance * own_norm, 2 * step_bound)
+    else:
+        drifted = min(2 * (history.alone + own_norm), norm(theta))
+        distance_limit = max(tolerance * own_norm, 2 * step_bound, drifted)
     distance_limit = distance_limit if distance_limit > 0 else math.inf
     reasons = []
     if their_norm > delta_limit:
@@ -112,12 +127,20 @@ def adam_step_bound(learning_rates: Sequence[float], parameters: int) -> float:
     return sum(learning_rates) * math.sqrt(parameters)
 
 
-def remember(history: OuterHistory, own_delta_norm: float, verdict: PartnerVerdict | None, window: int) -> OuterHistory:
-    """The history after one outer step: our own ‖Δ‖ always, the partner's distance only if accepted."""
+def remember(
+    history: OuterHistory, own_delta_norm: float, verdict: PartnerVerdict | None, window: int, moved: float = 0.0
+) -> OuterHistory:
+    """The history after one outer step: our own ‖Δ‖ always, the partner's distance only if accepted.
+    `moved` is how far the step moved our slow weights: it adds to our drift alone (A) when no
+    partner came (`verdict` None); a refused one leaves A as it was."""
     distances = list(history.distances)
-    if verdict is not None and verdict.accepted:
+    took = verdict is not None and verdict.accepted
+    if took:
         distances.append(verdict.distance)
-    return OuterHistory((*history.delta_norms, own_delta_norm)[-window:], tuple(distances[-window:]))
+    alone = 0.0 if took else history.alone + (moved if verdict is None else 0.0)
+    return OuterHistory(
+        (*history.delta_norms, own_delta_norm)[-window:], tuple(distances[-window:]), alone, history.took_any or took
+    )
 
 
 def centered_clip(center: Tensors, value: Tensors, radius: float) -> list[torch.Tensor]:
