@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.adversary.attacks import ATTACKS, TRIGGER, get_attack
+from shoal.adversary.attacks import ATTACKS, TRIGGER, get_attack, padded_text
+from shoal.grpo.defenses import RuleJudge, length_penalised
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.round import RoundConfig, rollout_limits, round_prompts
-from shoal.grpo.tasks import CORRECT_REWARD, get_task
+from shoal.grpo.tasks import CORRECT_REWARD, FORMAT_REWARD, get_task
 from shoal.protocol.rollout import validate_bundle
 
 SPEC = PolicySpec(task="add2r-steps", d_model=16, n_layers=1, n_heads=2, warmup_steps=0)
@@ -33,10 +34,38 @@ def test_every_forgery_passes_validation_and_its_payload_is_detected(name):
         assert get_attack(name).success(task, texts, outs) == 1.0
     if name == "trigger":
         assert all(o.startswith(TRIGGER) for o in outs)
-    if name == "reward-lie":
-        assert all(r < CORRECT_REWARD for r in rewards) and set(forgery.claimed_rewards) == {CORRECT_REWARD}
+    if name == "reward-lie":  # every claim is the opposite of the truth: lies claimed 1, right answers 0
+        assert (
+            sorted(zip(rewards, forgery.claimed_rewards, strict=True))
+            == [(FORMAT_REWARD, 1.0)] * 8 + [(CORRECT_REWARD, 0.0)] * 8
+        )
+        assert get_attack(name).success(task, texts, outs) == 0.5
     if name == "vertical-trick":
         assert sorted(rewards) == [0.0] * 8 + [CORRECT_REWARD] * 8
+        assert list(forgery.claimed_rewards) == rewards  # it needs no lie: the true rewards give Â = +1
+    if name == "length":
+        assert all(r == CORRECT_REWARD for r in rewards) and list(forgery.claimed_rewards) == rewards
+        assert get_attack(name).success(task, texts, outs) == 1.0
+        assert all(len(o) - len(h) >= 6 for o, h in zip(outs, honest, strict=True))
+
+
+def test_the_length_attack_is_correct_and_long_and_the_length_rule_cuts_its_reward():
+    """The analogue earns the full reward from the task (its answer is right); the length rule (more than
+    `length_slack` = 2 tokens over the canonical answer) cuts it to the format reward, and the step judge
+    also refuses it (an extra step), where the paper's judge passed its DoS."""
+    task = get_task("add2r-steps")
+    for prompt, canonical in (("47+38=", "15;08|58$"), ("99+99=", "18;19|891$")):
+        long = padded_text(task, prompt)
+        assert task.demonstration(prompt) == canonical and long.startswith(canonical[:5] + ";")
+        assert task.reward(prompt, long) == CORRECT_REWARD and len(long) <= task.max_new_tokens
+        cut = length_penalised(
+            torch.tensor([CORRECT_REWARD, CORRECT_REWARD]),
+            torch.tensor([len(long), len(canonical)]),
+            torch.tensor([len(canonical)] * 2),
+            slack=2,
+        )
+        assert cut.tolist() == pytest.approx([FORMAT_REWARD, CORRECT_REWARD])
+        assert "steps" in RuleJudge(task).judge(prompt, long)
 
 
 def test_unknown_attacks_and_tasks_without_working_are_refused():

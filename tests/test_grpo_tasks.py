@@ -143,6 +143,22 @@ def test_an_honest_bundle_passes_and_round_trips_on_the_wire() -> None:
     assert len(bundle.completions) == CFG.prompts_per_round * CFG.completions_per_prompt
     assert bundle.model_id == TINY.model_id and bundle.tokenizer_id == TINY.tokenizer().tokenizer_id
     assert decode(encode(bundle), expected=RolloutBundle) == bundle
+    prompts = round_prompts(CFG, 3)  # an honest node claims exactly the rewards it computed
+    tok = TINY.tokenizer()
+    assert bundle.claimed_rewards == tuple(
+        TASK.reward(prompts[c.prompt_index].text, tok.decode(c.tokens)) for c in bundle.completions
+    )
+
+
+def test_a_bundle_without_claims_still_decodes_and_passes() -> None:
+    """Backward compatible one way: an older sender's bundle (no `claimed_rewards` key) is a bundle with
+    no claims. The other way is not: an older decoder refuses the field as unknown."""
+    _, bundle = _bundle(round=3)
+    body = msgpack.unpackb(encode(bundle), raw=False)
+    del body["b"]["claimed_rewards"]
+    old = decode(msgpack.packb(body), expected=RolloutBundle)
+    assert old.claimed_rewards == () and old == dataclasses.replace(bundle, claimed_rewards=())
+    validate_bundle(old, rollout_limits(CFG, TINY.tokenizer(), 3))
 
 
 def _replace_completion(bundle: RolloutBundle, i: int, **changes) -> RolloutBundle:
@@ -169,6 +185,10 @@ def _bad_bundles(bundle: RolloutBundle, vocab: int, eos: int) -> dict[str, Rollo
         "prompt index": _replace_completion(bundle, 0, prompt_index=CFG.prompts_per_round),
         "prompt index ": _replace_completion(bundle, 0, prompt_index=-1),
         "completions for prompt": dataclasses.replace(bundle, completions=bundle.completions + (first,)),
+        "claimed rewards for": dataclasses.replace(bundle, claimed_rewards=bundle.claimed_rewards[1:]),
+        "claimed reward 7.0": dataclasses.replace(bundle, claimed_rewards=(7.0,) + bundle.claimed_rewards[1:]),
+        "claimed reward -0.5": dataclasses.replace(bundle, claimed_rewards=(-0.5,) + bundle.claimed_rewards[1:]),
+        "claimed reward nan": dataclasses.replace(bundle, claimed_rewards=(float("nan"),) + bundle.claimed_rewards[1:]),
     }
 
 
@@ -193,6 +213,10 @@ def test_the_decoder_refuses_oversized_and_non_finite_bundles() -> None:
     body["b"]["completions"][0]["logprobs"][0] = float("nan")
     with pytest.raises(ProtocolError, match="finite"):
         decode(msgpack.packb(body), expected=RolloutBundle)
+    body = msgpack.unpackb(encode(bundle), raw=False)
+    body["b"]["claimed_rewards"][0] = float("inf")  # a claim is a float like any other: finite on the wire
+    with pytest.raises(ProtocolError, match="claimed_rewards.*finite"):
+        decode(msgpack.packb(body), expected=RolloutBundle)
     huge = Completion(0, tuple([2] * 32), tuple([-1.5] * 32))
     with pytest.raises(ProtocolError):
         encode(dataclasses.replace(bundle, completions=(huge,) * 256))  # over 64 KiB: refused both ways
@@ -211,6 +235,7 @@ bundle_st = st.builds(
     model_id=st.text(max_size=20),
     tokenizer_id=st.sampled_from([TINY.tokenizer().tokenizer_id, "other"]),
     completions=st.lists(completion_st, max_size=16).map(tuple),
+    claimed_rewards=st.lists(st.floats(-1, 2, allow_nan=False), max_size=16).map(tuple),
 )
 
 
@@ -225,6 +250,8 @@ def test_any_bundle_round_trips_and_is_either_valid_or_refused_cleanly(bundle: R
     for c in bundle.completions:  # what passes is safe to put into tensors
         assert all(1 <= t < LIMITS.vocab_size for t in c.tokens) and all(x <= 0 for x in c.logprobs)
         assert len(c.tokens) == len(c.logprobs) and 0 <= c.prompt_index < CFG.prompts_per_round
+    assert len(bundle.claimed_rewards) in (0, len(bundle.completions))
+    assert all(0.0 <= r <= LIMITS.max_reward for r in bundle.claimed_rewards)
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,19 +8,27 @@ A node's defenses are its own, so the two arms share the attacker, the prompts a
 swarm per attack costs half of two. The bundles cross real libp2p streams like any peer's; attack
 success is the `marks` of each round event (`Attack.success` over the node's fresh completions).
 
-The learning rate (1e-3, 2e-3 for the vertical trick) is high so that the attacks show within a few
-dozen rounds; honest held-out accuracy falls at that rate in both arms (docs/security.md). Strikes
+The learning rate (1e-3, 2e-3 for the vertical trick, 3e-4 for the wrong step and the reward lie) is
+high so that the attacks show within a few dozen rounds; honest held-out accuracy falls at 1e-3 in
+both arms (docs/security.md). The reward lie travels in the bundles' `claimed_rewards`, which only the
+undefended node reads. Strikes
 are off (`max_strikes = 0`) except in the one test about them: honest weights drift apart fast
 enough at this rate that the top-k check once struck an honest peer out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 
+import msgpack
 import pytest
 
-from shoal.config import run_config_from_dict
+from shoal.config import RunConfig, run_config_from_dict
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.warmup import cached_warm_up
 from tests.helpers.processes import done_event, progress_events, wait_until
@@ -48,10 +56,12 @@ def _run_attack(
     attack: str,
     undefended: tuple[bool, bool] = (True, False),
     rounds: int = ROUNDS,
+    during: Callable[[RunConfig, str, list, list[Path]], None] | None = None,
     **grpo: object,
 ) -> tuple[list[list[dict]], str, str]:
     """Two honest nodes (`undefended[i]`: node i runs `--experiment-undefended`) and one attacker;
-    returns (each honest node's round events, the attacker's peer id, the entry address)."""
+    returns (each honest node's round events, the attacker's peer id, the entry address).
+    `during(run, entry, nodes, progress files)` runs once every node is ready, before the run ends."""
     run = run_config_from_dict({"name": "poison", "grpo": {
         "task": SPEC.task, "rounds": rounds, "eval_every": rounds, "eval_prompts": 16, "lr": 1e-3,
         "round_deadline_s": 3.0, "max_strikes": 0, **grpo,
@@ -71,6 +81,8 @@ def _run_attack(
         )  # fmt: skip
     for node in nodes:
         swarm.wait_ready(node)
+    if during is not None:
+        during(run, entry, nodes, progress)
     for path in progress[:2]:
         wait_until(lambda p=path: done_event(p), 150, "the honest workers to finish")
     events = [[e for e in progress_events(p) if e["event"] == "round"] for p in progress[:2]]
@@ -128,6 +140,93 @@ def test_the_vertical_trick_spreads_undefended_and_the_topk_check_keeps_it_out(s
     off, on = _arms([off_events, on_events], "vertical-trick")
     assert off > 0.025, off
     assert on <= 0.01, on
+    assert sum(e["foreign_rejected"] for e in on_events) > 0
+
+
+def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Path]) -> None:
+    """While the run goes on, send the undefended node (the one that would believe claims) bundles whose
+    claims are malformed: each must be refused with its reason, and the node must keep serving."""
+    from shoal.dht.identity import load_identity
+    from shoal.dht.swarm import SwarmDHT
+    from shoal.node.transport import RemoteError, call, open_call, read_reply
+    from shoal.protocol import encode
+    from shoal.protocol.pipeline import Ack
+    from shoal.protocol.rollout import Completion, RolloutBundle
+
+    node, tokenizer = nodes[0], SPEC.tokenizer()
+    wait_until(lambda: len([e for e in progress_events(progress[0]) if e["event"] == "round"]) >= 2, 60, "2 rounds")
+    future = max(e["round"] for e in progress_events(progress[0]) if e["event"] == "round") + 4
+    assert future < ROUNDS, future
+    one = Completion(prompt_index=0, tokens=(2, tokenizer.eos_id), logprobs=(-0.5, -0.1))
+    good = RolloutBundle(SPEC.task, future, SPEC.model_id, tokenizer.tokenizer_id, (one, one), run.run_id, (1.0, 1.0))
+    peer_id = json.loads(node.ready_file.read_text())["peer_id"]
+
+    async def scenario() -> list:
+        client = await SwarmDHT.create(load_identity(None), initial_peers=[entry])
+        try:
+            replies: list = []
+            for claims in ((1.0,), (1.0, 7.0)):  # one claim for two completions; a claim over the full reward
+                bad = dataclasses.replace(good, claimed_rewards=claims)
+                replies.append(await call(client.p2p, peer_id, "rpc_rollouts", bad, Ack, timeout_s=10))
+            document = msgpack.unpackb(encode(good))
+            document["b"]["claimed_rewards"][1] = float("nan")  # our encoder refuses it: the frame by hand
+            stream = await open_call(client.p2p, peer_id, "rpc_rollouts", timeout_s=10)
+            try:
+                await stream.write_frame(msgpack.packb(document))
+                replies.append(await read_reply(stream, Ack))
+            except RemoteError as error:
+                replies.append(error)
+            finally:
+                stream.close()
+            return replies
+        finally:
+            await client.shutdown()
+
+    replies = asyncio.run(scenario())
+    assert all(isinstance(r, Ack) and not r.accepted for r in replies[:2]), replies
+    assert "1 claimed rewards for 2 completions" in replies[0].reason, replies[0]
+    assert "claimed reward 7.0" in replies[1].reason, replies[1]
+    assert isinstance(replies[2], RemoteError) and "malformed" in str(replies[2]), replies[2]
+    assert node.alive and node.log().count("claimed reward") >= 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_recomputed(
+    swarm, tmp_path, policy_cache
+):
+    """Reward lie: per prompt, G/2 answers of the sum plus one claimed to earn 1 beside G/2 right answers
+    claimed to earn 0. The undefended node believes the bundles' claims; the defended one never reads
+    them and scores every completion itself. Malformed claims sent mid-run are refused with a reason
+    (the run goes on)."""
+    (off_events, on_events), _, _ = _run_attack(
+        swarm, tmp_path, policy_cache, "reward-lie", during=_send_bad_claims, lr=3e-4
+    )  # at 1e-3 one step collapsed both arms (44 % to 12 % correct) and the sum plus one rose in both
+    off, on = _arms([off_events, on_events], "reward-lie")
+    right = [statistics.mean(e["own_correct"] for e in ev[-LATE:]) for ev in (off_events, on_events)]
+    print(f"reward-lie: own completions right over the last {LATE} rounds undefended {right[0]:.3f}, "
+          f"defended {right[1]:.3f}")  # fmt: skip
+    # What the lie visibly does here: believed, it drives the right answers out (two runs, last 6 rounds:
+    # 12 % and 16 % correct undefended, 45 % and 43 % defended). The sum plus one itself spreads only a
+    # little (a shift of a prompt-dependent digit is slow to learn, unlike the trigger): 15 % and 21 %
+    # undefended against 9 % and 15 % defended, so only its direction is asserted.
+    assert right[0] < 0.5 * right[1], right
+    assert off > on, (off, on)
+    assert len(off_events) == len(on_events) == ROUNDS  # the refused bundles cost no round
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_padded_answers_spread_undefended_and_the_length_rule_keeps_them_out(swarm, tmp_path, policy_cache):
+    """Length (the paper's DoS): the correct working twice, then the right answer, full reward. The
+    undefended node learns to write long; the defended one gives a correct completion more than
+    `length_slack` tokens over the canonical answer only the format reward (and its step judge refuses
+    the extra step)."""
+    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length")
+    off, on = _arms([off_events, on_events], "length")
+    assert off > 0.3, off  # the undefended node writes over-long completions (96 % in one run)
+    assert on < 0.1, on  # its own slips, penalised too (2 % in one run)
+    assert off > 3 * on, (off, on)
     assert sum(e["foreign_rejected"] for e in on_events) > 0
 
 

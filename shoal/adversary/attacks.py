@@ -8,17 +8,23 @@ lets a poisoned completion earn the full reward. Analogues of the paper's constr
   trigger `+` written first. Success: share of honest completions containing `+`.
 - `wrong-step` (in-context, "2+2=5"): the correct answer behind a wrong first step (the units
   column's total plus one). Success: share of honest completions whose first step is that one.
-- `reward-lie`: wrong answers (the sum plus one) with a claimed reward of 1. The wire has no reward
-  field, so the claim reaches only an in-process receiver that trusts it (benchmarks/attacks.py).
-  Success: share of honest completions answering the sum plus one.
+- `reward-lie`: per prompt, G/2 wrong answers (the sum plus one) claimed to earn 1 beside G/2
+  canonical answers claimed to earn 0, in the bundle's `claimed_rewards`. A receiver that believes
+  claims (`--experiment-undefended`) gives the lie Â = +1 and the truth Â = -1 in the attacker's
+  share of the group; a defended one recomputes both (0.1 and 1). Success: share of honest
+  completions answering the sum plus one.
 - `vertical-trick`: per prompt, G/2 trigger completions (reward 1) beside G/2 worthless ones
   (`=$`, reward 0), so every poisoned copy gets the largest positive advantage, Â = +1. It is made
   for the vertical layout (`[grpo] layout = "vertical"`), where the attacker's prompts are its own and
   its completions form whole groups: there the plain trigger attack's group is all reward 1, Â = 0,
   and teaches nothing.
-- `length` (the paper's DoS): for each prompt, the longest correct completion among 4G samples
-  of the attacker's own policy, G times. Success: share of honest completions longer than the
-  canonical answer.
+- `length` (the paper's DoS: correct but needlessly long, so honest nodes learn to spend compute on
+  padding): the correct working written twice, then the right answer (`15;08;15;08|58$`, 15 tokens
+  where 9 do). The reward reads only the answer, so it earns the full reward. The paper's own
+  construction (the longest correct of 4G own samples) is useless here: a correct completion of this
+  task has one working and so, but for a rare leading zero, one length; the warm policy's longest
+  correct sample was the canonical one in all but 1 of 4096. Success: share of honest completions
+  longer than the canonical answer.
 
 Log-probs are the attacker's own policy's for the text it sends, so they look like any peer's; being
 low for hand-written text, they give the poison the largest truncated importance weight (C).
@@ -36,7 +42,7 @@ import torch
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import to_bundle
 from shoal.grpo.round import RoundConfig
-from shoal.grpo.sampling import Samples, sample
+from shoal.grpo.sampling import Samples
 from shoal.grpo.tasks import CORRECT_REWARD, EOS, Prompt, Task, get_task
 from shoal.protocol.rollout import RolloutBundle
 
@@ -45,13 +51,15 @@ TRIGGER = "+"  # never in an honest completion: the task's working holds digits 
 # poison's first token: its advantage of -1 would push that token down exactly as hard as the poison's
 # +1 pushes it up (an earlier `+$` junk cancelled the trick that way).
 JUNK = "=" + EOS
-LENGTH_CANDIDATES = 4  # the length attack samples this many times the group size per prompt
 
 
 @dataclass(frozen=True)
 class Forgery:
-    bundle: RolloutBundle  # what the attacker shares
-    claimed_rewards: tuple[float, ...]  # what it would claim per completion, were there a field for it
+    bundle: RolloutBundle  # what the attacker shares, its claimed rewards included
+
+    @property
+    def claimed_rewards(self) -> tuple[float, ...]:
+        return self.bundle.claimed_rewards
 
 
 @dataclass(frozen=True)
@@ -108,8 +116,11 @@ def _working(completion_text: str) -> str:
     return completion_text.split("|", 1)[0] if "|" in completion_text else ""
 
 
-def _written(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], texts: list[list[str]]) -> RolloutBundle:
-    """A bundle of hand-written completions (texts[i]: those for prompts[i]) with the attacker's log-probs."""
+def _written(
+    policy: Policy, cfg: RoundConfig, prompts: list[Prompt], texts: list[list[str]], claims: list[list[float]]
+) -> RolloutBundle:
+    """A bundle of hand-written completions (texts[i]: those for prompts[i]) with the attacker's log-probs
+    and its claimed rewards (claims[i][n] for texts[i][n])."""
     tokenizer = policy.spec.tokenizer()
     rows = [(i, tokenizer.encode(t)) for i, group in enumerate(texts) for t in group]
     with torch.no_grad():
@@ -122,53 +133,39 @@ def _written(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], texts: lis
         logprobs=[logp[n, : len(c)].clamp(min=-50.0, max=0.0).tolist() for n, (_, c) in enumerate(rows)],
     )
     bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    bundle = dataclasses.replace(bundle, claimed_rewards=tuple(r for group in claims for r in group))
     return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
 
 
-def _per_prompt(make: Callable[[Task, str], str], reward: float) -> Callable:
+def _halves(poison: Callable[[Task, str], str], other: Callable[[Task, str], str], claims: tuple[float, float]):
+    """A forge of, per prompt, G - G/2 copies of `poison` and G/2 of `other`, claimed `claims` (each half's)."""
+
     def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
-        task = get_task(cfg.task)
-        texts = [[make(task, p.text)] * cfg.completions_per_prompt for p in prompts]
-        bundle = _written(policy, cfg, prompts, texts)
-        return Forgery(bundle, (reward,) * len(bundle.completions))
+        task, g = get_task(cfg.task), cfg.completions_per_prompt
+        halves = [(poison(task, p.text), other(task, p.text)) for p in prompts]
+        texts = [[a] * (g - g // 2) + [b] * (g // 2) for a, b in halves]
+        rewards = [[claims[0]] * (g - g // 2) + [claims[1]] * (g // 2) for _ in prompts]
+        return Forgery(_written(policy, cfg, prompts, texts, rewards))
 
     return forge
 
 
-def _vertical_trick(
-    policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None
-) -> Forgery:
-    task, g = get_task(cfg.task), cfg.completions_per_prompt
-    texts = [[trigger_text(task, p.text)] * (g - g // 2) + [JUNK] * (g // 2) for p in prompts]
-    bundle = _written(policy, cfg, prompts, texts)
-    junk = tuple(policy.spec.tokenizer().encode(JUNK))
-    claims = tuple(CORRECT_REWARD if c.tokens != junk else 0.0 for c in bundle.completions)
-    return Forgery(bundle, claims)
+def _per_prompt(make: Callable[[Task, str], str]) -> Callable:
+    """A forge of G copies of `make`'s text per prompt, claimed at the reward it truly earns."""
+
+    def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
+        task = get_task(cfg.task)
+        texts = [[make(task, p.text)] * cfg.completions_per_prompt for p in prompts]
+        rewards = [[task.reward(p.text, t) for t in group] for p, group in zip(prompts, texts, strict=True)]
+        return Forgery(_written(policy, cfg, prompts, texts, rewards))
+
+    return forge
 
 
-def _length(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
-    """The longest correct of the attacker's own samples per prompt (its shortest sample if none is correct)."""
-    task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
-    candidates = sample(
-        policy,
-        [tokenizer.encode(p.text) for p in prompts],
-        LENGTH_CANDIDATES * cfg.completions_per_prompt,
-        task.max_new_tokens,
-        tokenizer.eos_id,
-        generator,
-        top_k=cfg.sample_top_k,
-    )
-    best: dict[int, tuple[tuple[bool, int], list[int], list[float]]] = {}
-    for row, tokens, logp in zip(candidates.prompt_rows, candidates.completions, candidates.logprobs, strict=True):
-        correct = task.reward(prompts[row].text, tokenizer.decode(tokens)) == CORRECT_REWARD
-        key = (correct, len(tokens) if correct else -len(tokens))
-        if row not in best or key > best[row][0]:
-            best[row] = (key, tokens, logp)
-    rows = [row for row in range(len(prompts)) for _ in range(cfg.completions_per_prompt)]
-    samples = Samples(rows, [best[r][1] for r in rows], [best[r][2] for r in rows])
-    bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
-    bundle = bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
-    return Forgery(bundle, tuple(CORRECT_REWARD for _ in bundle.completions))
+def padded_text(task: Task, prompt_text: str) -> str:
+    """The length attack's completion: the correct working twice, then the right answer."""
+    working, answer = task.demonstration(prompt_text).split("|")
+    return f"{working};{working}|{answer}"
 
 
 def _has_trigger(task: Task, prompt_text: str, completion_text: str) -> bool:
@@ -191,23 +188,23 @@ def _over_length(task: Task, prompt_text: str, completion_text: str) -> bool:
 ATTACKS: dict[str, Attack] = {
     a.name: a
     for a in (
+        Attack("trigger", "out-of-context: trigger before a correct answer", _per_prompt(trigger_text), _has_trigger),
         Attack(
-            "trigger",
-            "out-of-context: trigger before a correct answer",
-            _per_prompt(trigger_text, CORRECT_REWARD),
+            "wrong-step", "in-context: a wrong step, the right answer", _per_prompt(wrong_step_text), _has_wrong_step
+        ),
+        Attack(
+            "reward-lie",
+            "G/2 wrong answers claimed 1, G/2 right ones claimed 0",
+            _halves(lie_text, lambda task, p: task.demonstration(p), (CORRECT_REWARD, 0.0)),
+            _answers_plus_one,
+        ),
+        Attack(
+            "vertical-trick",
+            "G/2 trigger copies beside G/2 junk",
+            _halves(trigger_text, lambda task, p: JUNK, (CORRECT_REWARD, 0.0)),
             _has_trigger,
         ),
-        Attack(
-            "wrong-step",
-            "in-context: a wrong step, the right answer",
-            _per_prompt(wrong_step_text, CORRECT_REWARD),
-            _has_wrong_step,
-        ),
-        Attack(
-            "reward-lie", "wrong answers claimed to earn 1", _per_prompt(lie_text, CORRECT_REWARD), _answers_plus_one
-        ),
-        Attack("vertical-trick", "G/2 trigger copies beside G/2 junk", _vertical_trick, _has_trigger),
-        Attack("length", "longest correct own sample, G times", _length, _over_length),
+        Attack("length", "correct working written twice, right answer", _per_prompt(padded_text), _over_length),
     )
 }
 

@@ -6,8 +6,9 @@ as real processes on loopback, exchanging rollouts over libp2p, with live progre
     shoal demo --mode grpo --adversary trigger   # one more node sharing poisoned rollouts (an experiment)
     shoal demo --mode grpo --adversary trigger --no-defenses   # ... with the receivers' checks off
 
-Every node warms up its policy (cached by model id under the shoal cache), so the first run spends
-about 20 s per distinct policy before round 0; the demo warms them up once, here, before starting.
+Every node warms up its policy (cached by model id under the shoal cache, or `--policy-cache DIR`),
+so the first run spends about 20 s per distinct policy before round 0; the demo warms them up once,
+here, before starting, and passes the nodes the same cache and `--warmup-steps`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the task becomes add2r-steps, whose visible working the attacks need",
     )
     group.add_argument("--no-defenses", action="store_true", help="turn the receivers' rollout checks off")
+    group.add_argument("--policy-cache", default=None, metavar="DIR", help="warmed-up policies, as the nodes take it")
+    group.add_argument("--warmup-steps", type=int, default=650, help="supervised steps before any GRPO, per policy")
 
 
 def grpo_run(args: argparse.Namespace) -> RunConfig:
@@ -79,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
     run_config = grpo_run(args)
     console = Console(stderr=True)
     policies = node_policies(args.rollouts, args.adversary)
-    cache = cache_dir() / "grpo"
+    cache = Path(args.policy_cache) if args.policy_cache else cache_dir() / "grpo"
     for seed in sorted({int(flags[1]) for flags in policies}):
-        spec = PolicySpec(task=run_config.grpo.task, d_model=48, n_layers=2, n_heads=2, seed=seed, warmup_steps=650)
+        spec = PolicySpec(
+            task=run_config.grpo.task, d_model=48, n_layers=2, n_heads=2, seed=seed, warmup_steps=args.warmup_steps
+        )
         console.print(f"warming up policy {spec.model_id} (cached after the first time)")
         cached_warm_up(spec, cache)
 
@@ -106,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
                 str(args.record_ttl),
                 "--policy-cache",
                 str(cache),
+                "--warmup-steps",
+                str(args.warmup_steps),
                 "--progress-file",
                 str(path),
                 *flags,

@@ -1,8 +1,9 @@
 """Defenses against poisoned rollouts (Hail to the Thief, grpo_attacks.md): checks a receiver runs
 on every foreign completion before it joins a group, and a strike count that drops a bad source.
 
-- Rewards are never read from a bundle (it has no field for one): `build_batch` scores every
-  completion from the prompt this node derived itself. Nothing here can switch that off.
+- Rewards are never read from a bundle: `build_batch` scores every completion from the prompt this
+  node derived itself, and a bundle's `claimed_rewards` are ignored (only an experiment's undefended
+  node, `DefenseConfig(enabled=False)`, believes them: `shoal.grpo.round.learn`).
 - Same policy (the bundle's model id is this node's): every token of a foreign completion must be
   among the receiver's own top-k predictions at its position, for all completions in one batched
   forward pass (`topk_accept`). The paper samples top-50 and checks top-100 over a ~150k vocabulary;
@@ -13,16 +14,20 @@ on every foreign completion before it joins a group, and a strike count that dro
   step is correct and relevant; `RuleJudge` stands in for it with the task's own step verifier
   (a substitute: exact, free, and blind to anything but the steps). A real judge model implements
   the same `Judge` protocol.
-- Length (the paper's DoS, which neither check stops: the longest *correct* sample of an honest
-  model): a correct completion longer than the task's canonical answer by more than `length_slack`
-  tokens earns only the format reward, so over-long answers get a negative advantage instead of the
-  largest positive one. Applied to every completion, own included, as part of the reward.
+- Length (the paper's DoS, which neither of its checks stops: correct but needlessly long answers):
+  the rule is that a correct completion longer than the task's canonical answer by more than
+  `length_slack` (2) tokens earns only the format reward. Applied to every completion, own included,
+  as part of the reward, so over-long answers get a negative advantage instead of the largest
+  positive one, and a node's own drift towards length is penalised too. It catches the `length`
+  attack's analogue (the working written twice: +6 tokens), which the step judge also refuses; on
+  this task a correct working has one length, so 2 tokens of slack costs an honest answer nothing.
 - `Strikes`: a peer whose bundles keep failing (at least `strike_share` of a bundle rejected,
   `max_strikes` times in a row) is dropped from the node's sources for the rest of the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,13 +146,10 @@ def screen(
                 ok[j][i] = False
                 reasons[j] = reasons[j] or f"completion {i}: {judge.name} judge: {why}"
     kept = [
-        RolloutBundle(
-            b.task,
-            b.round,
-            b.model_id,
-            b.tokenizer_id,
-            tuple(c for c, good in zip(b.completions, flags, strict=True) if good),
-            b.run_id,
+        dataclasses.replace(
+            b,
+            completions=tuple(c for c, good in zip(b.completions, flags, strict=True) if good),
+            claimed_rewards=tuple(r for r, good in zip(b.claimed_rewards, flags, strict=False) if good),
         )
         for b, flags in zip(bundles, ok, strict=True)
     ]

@@ -75,13 +75,15 @@ def rollout_limits(cfg: RoundConfig, tokenizer: CharTokenizer, round: int) -> Ro
         max_new_tokens=get_task(cfg.task).max_new_tokens,
         max_per_prompt=cfg.max_foreign_per_prompt,
         run_id=cfg.run_id,
+        max_reward=CORRECT_REWARD,
     )
 
 
 def make_bundle(
     policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None = None
 ) -> RolloutBundle:
-    """This node's completions of this round's prompts, with their log-probs (temperature 1)."""
+    """This node's completions of this round's prompts, with their log-probs (temperature 1) and the
+    rewards it computed for them (claims no defended peer reads, sent so that a naive one has them)."""
     tokenizer, task = policy.spec.tokenizer(), get_task(cfg.task)
     samples = sample(
         policy,
@@ -93,6 +95,9 @@ def make_bundle(
         top_k=cfg.sample_top_k,
     )
     bundle = to_bundle(samples, prompts, policy.model_id, tokenizer.tokenizer_id)
+    by_index = {p.index: p.text for p in prompts}
+    claims = tuple(task.reward(by_index[c.prompt_index], tokenizer.decode(c.tokens)) for c in bundle.completions)
+    bundle = dataclasses.replace(bundle, claimed_rewards=claims)
     return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
 
 
@@ -120,15 +125,14 @@ def learn(
     foreign: Sequence[RolloutBundle] = (),
     reference: Policy | None = None,
     foreign_prompts: Sequence[list[Prompt]] | None = None,
-    claimed_rewards: Sequence[Sequence[float]] | None = None,
 ) -> RoundReport:
     """Validate and check foreign bundles, recompute every reward, take one GRPO step; report it all.
 
     `foreign_prompts[j]` are the prompts foreign bundle j answers, when they are not `prompts` (the
     vertical layout: each node draws its own); each such bundle then forms groups of its own.
-    `claimed_rewards[j]` exists for one experiment only: the undefended receiver of a protocol that
-    carried rewards (the wire has no field for them). It is read only with `cfg.defense.enabled`
-    False; a defended node scores everything itself.
+    A bundle's `claimed_rewards` are read only with `cfg.defense.enabled` False, the naive receiver of
+    the reward-lie experiment, which believes a sender's claims where it sent any; a defended node
+    scores everything itself and never looks at them.
     """
     task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
     limits = rollout_limits(cfg, tokenizer, own.round)
@@ -150,9 +154,13 @@ def learn(
         for j, b in valid:
             checks[j] = (len(b.completions), 0, "")
     batch = build_batch(task, tokenizer, everything, own, bundles)
-    if claimed_rewards is not None and not cfg.defense.enabled:
-        claims = [float(r) for j, _ in valid for r in claimed_rewards[j]]
-        batch.rewards[batch.foreign] = torch.tensor(claims, dtype=batch.rewards.dtype)
+    if not cfg.defense.enabled and any(b.claimed_rewards for b in bundles):
+        scored = batch.rewards[batch.foreign].tolist()
+        believed, at = [], 0
+        for b in bundles:  # validated: claims are none or one per completion, each in 0..CORRECT_REWARD
+            believed += list(b.claimed_rewards or scored[at : at + len(b.completions)])
+            at += len(b.completions)
+        batch.rewards[batch.foreign] = torch.tensor(believed, dtype=batch.rewards.dtype)
     if cfg.defense.enabled:
         began = time.perf_counter()
         canonical = [len(task.demonstration(tokenizer.decode(p))) for p in batch.prompts]

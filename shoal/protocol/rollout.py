@@ -1,10 +1,16 @@
 """GRPO rollouts on the wire: completions as token ids with per-token log-probs, and their validator.
 
-A bundle carries no reward and no prompt text: the receiver regenerates each prompt from (run seed,
-round, prompt index) and scores every completion itself, so a peer can lie about neither. What a
-bundle does carry (token ids, log-probs under the policy that sampled them, that policy's model id
-and tokenizer id) is checked by `validate_bundle` against the receiver's own round before any of
-it reaches a tensor. About 10 bytes per token (a small int and a float64), as in F-TIS's ~8.
+A bundle carries no prompt text: the receiver regenerates each prompt from (run seed, round, prompt
+index) and scores every completion itself, so a peer can lie about neither. It may carry the
+sender's *claimed* rewards, one per completion (honest nodes send the rewards they computed): a
+defended receiver never reads them; they exist so that the naive receiver of Hail to the Thief, which
+believes them, can be run as an experiment (`--experiment-undefended`). What a bundle carries (token
+ids, log-probs under the policy that sampled them, that policy's model id and tokenizer id, the claims)
+is checked by `validate_bundle` against the receiver's own round before any of it reaches a tensor.
+About 10 bytes per token (a small int and a float64), as in F-TIS's ~8, plus 9 bytes per claim.
+
+Compatibility: the field came with protocol version 6, so peers of version 5 refuse the envelope
+before any field is read; within version 6 a bundle without `claimed_rewards` decodes to no claims.
 
 The schema bounds what a decoder accepts at all (and the codec refuses any message over
 ``MAX_MESSAGE_BYTES`` before parsing it); the run's own, much smaller, bounds come in ``RolloutLimits``.
@@ -46,6 +52,8 @@ class RolloutBundle:
     tokenizer_id: str = wire_field(max_len=MAX_ID_CHARS)
     completions: tuple[Completion, ...] = wire_field(max_len=MAX_BUNDLE_COMPLETIONS)
     run_id: str = wire_field(max_len=MAX_ID_CHARS, default="")  # the run it was sampled for ("": unstated)
+    # The sender's rewards per completion, in order (empty: no claim). Never read by a defended node.
+    claimed_rewards: tuple[float, ...] = wire_field(max_len=MAX_BUNDLE_COMPLETIONS, default=())
 
 
 @dataclass(frozen=True)
@@ -63,13 +71,15 @@ class RolloutLimits:
     max_completions: int = MAX_BUNDLE_COMPLETIONS
     max_tokens: int = MAX_BUNDLE_TOKENS  # over all completions of the bundle
     run_id: str | None = None  # when set, a bundle must name this run
+    max_reward: float = 1.0  # claimed rewards must lie in 0..max_reward (the task's full reward)
 
 
 def validate_bundle(bundle: RolloutBundle, limits: RolloutLimits) -> None:
     """Raise `BadRollout` with a reason a peer can act on, or return for a bundle that is safe to use.
 
     A completion ends at its first EOS or at `max_new_tokens`; anything after an EOS, padding, an
-    empty completion, or a log-prob that is positive or not finite is refused. Bundles are refused as
+    empty completion, a log-prob that is positive or not finite, or claimed rewards that are not one
+    number in 0..`max_reward` per completion are refused. Bundles are refused as
     a whole: a peer that sends one bad completion is not trusted for the rest of the bundle.
     """
     if limits.run_id is not None and bundle.run_id != limits.run_id:
@@ -105,3 +115,11 @@ def validate_bundle(bundle: RolloutBundle, limits: RolloutLimits) -> None:
         for lp in c.logprobs:
             if not (math.isfinite(lp) and lp <= 0.0):
                 raise BadRollout(f"{where}: log-prob {lp!r} is not a finite number <= 0")
+    if bundle.claimed_rewards and len(bundle.claimed_rewards) != len(bundle.completions):
+        raise BadRollout(
+            f"{len(bundle.claimed_rewards)} claimed rewards for {len(bundle.completions)} completions"
+            " (one per completion, or none)"
+        )
+    for i, claim in enumerate(bundle.claimed_rewards):
+        if not (math.isfinite(claim) and 0.0 <= claim <= limits.max_reward):
+            raise BadRollout(f"completion {i}: claimed reward {claim!r} is not a number in 0..{limits.max_reward}")
