@@ -99,7 +99,8 @@ def test_a_replica_that_never_took_a_partner_takes_one_as_far_as_it_drifted_but_
     garbage = [torch.full((4,), -2.0)]  # 16 away, further than its own weights' size: shares nothing with it
     assert not screen_partner(phi, delta, garbage, delta, history, tolerance=3.0).accepted
     refused = remember(history, 0.2, screen_partner(phi, delta, garbage, delta, history, 3.0), 8, moved=0.7)
-    assert refused.alone == history.alone  # refusing an attacker does not loosen the bound it is judged by
+    assert refused.alone == pytest.approx(history.alone + 0.7)  # a refusal is an epoch alone too
+    assert not screen_partner(phi, delta, garbage, delta, refused, tolerance=3.0).accepted  # still past ‖θ‖
     after = remember(history, 0.2, verdict, 8, moved=0.7)
     assert after.alone == 0.0 and after.took_any and after.distances == (verdict.distance,)
     for moved in (1.1, 1.5, 1.3, 1.0):  # alone again: from now on its distances judge, not its drift

@@ -15,6 +15,7 @@ they touch anything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from shoal.node.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GossipRequest
 from shoal.protocol.tensors import TensorSpec
+from shoal.train.audit import refused_by_partners
 from shoal.train.outer import (
     OuterConfig,
     OuterState,
@@ -291,6 +293,9 @@ class NoLoCoAverager:
             if self.robust:
                 limits = (self.history, self.tolerance, self._step_bound(epoch))
                 verdict = screen_partner(self.state.phi, delta, their_phi, their_delta, *limits)
+                shunned = self._refused_by_the_stage().get(partner)
+                if shunned is not None and verdict.accepted:
+                    verdict = dataclasses.replace(verdict, accepted=False, reason=shunned)
                 if not verdict.accepted:
                     self.screened_out += 1
                     self.refusals.pop(partner, None)
@@ -302,6 +307,22 @@ class NoLoCoAverager:
                     self.worker.spawn(self.node.publish(), "publish a refusal")  # data nodes act on it: say it now
                     theirs = None
         return theirs, verdict
+
+    def _refused_by_the_stage(self) -> dict[str, str]:
+        """Replicas of our stage that at least two others, a majority of them, refused as partners
+        (the rule data nodes exclude by, shoal.train.audit.refused_by_partners): their slow weights are
+        not taken even when they look within our own limits. A backdoor replica's slow weights keep
+        its direction after data nodes stop routing to it and its Δ shrinks to nothing; honest replicas
+        that had not met it yet took them."""
+        view = self.node.view
+        if view is None:
+            return {}
+        stage = self.worker.stage
+        replicas = [n for n in view.live_nodes() if n.stage == stage and n.stage > 0]
+        stage_of = {n.peer_id: stage for n in replicas} | {self.node.peer_id: stage}
+        refusals = {n.peer_id: {peer for peer, _ in n.excluded} for n in replicas if n.peer_id != self.node.peer_id}
+        refusals[self.node.peer_id] = set(self.refusals)
+        return refused_by_partners(refusals, stage_of)
 
     def _step_bound(self, epoch: int) -> float:
         """M for this epoch's H inner steps (robust.adam_step_bound), at the run's learning rates."""

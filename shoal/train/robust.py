@@ -29,10 +29,13 @@ drifted honestly from where the stage started, and its first partner drifted abo
 takes one up to twice its own drift A away (the moves of its slow weights in its local steps, plus
 ‖Δ_own‖; 4.4 apart after four epochs alone was refused before this), but never one further than
 ‖θ‖, the size of its own weights: such a partner shares nothing with it (random weights of the right
-size are √2·‖θ‖ off). A grows only with our own measured moves, and only in epochs when no partner
-came at all: refusing an attacker epoch after epoch does not loosen the bound it is judged by (with
-this rule counting refusals too, a backdoor replica got into an honest replica that had refused it
-once). Once a partner was taken the distances take over. The Δ scale comes from our own steps only, and only accepted
+size are √2·‖θ‖ off). A grows only with our own measured moves, in every epoch without a partner
+taken, refusals included: an honest replica paired with an attacker for five epochs, refusing it each
+time, drifted alone as far as one left out of the pairs, and without its drift it refused the first
+honest partner it met (1.35 apart, 0.91 allowed). An attacker gains little by being refused: its
+distance from the refusing replica grows at its own rate, faster than the replica's drift (a
+backdoor's Δ was 5x an honest one). Once a partner was taken the distances take over. The Δ scale
+comes from our own steps only, and only accepted
 partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
 accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
 history out.
@@ -132,12 +135,12 @@ def remember(
 ) -> OuterHistory:
     """The history after one outer step: our own ‖Δ‖ always, the partner's distance only if accepted.
     `moved` is how far the step moved our slow weights: it adds to our drift alone (A) when no
-    partner came (`verdict` None); a refused one leaves A as it was."""
+    partner was taken."""
     distances = list(history.distances)
     took = verdict is not None and verdict.accepted
     if took:
         distances.append(verdict.distance)
-    alone = 0.0 if took else history.alone + (moved if verdict is None else 0.0)
+    alone = 0.0 if took else history.alone + moved
     return OuterHistory(
         (*history.delta_norms, own_delta_norm)[-window:], tuple(distances[-window:]), alone, history.took_any or took
     )
