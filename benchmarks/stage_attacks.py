@@ -6,9 +6,11 @@
 Each arm is one run of real daemons on loopback (tests/helpers/hostile.py): a 2-stage run whose
 stage 1 is held by 3 workers (4 for the backdoor), one of them `--experiment-adversary ATTACK`; NoLoCo
 pairs every `--inner-steps` of `--steps` steps. Undefended: `[defense] robust_outer = false,
-audit_rate = 0`; defended: the robust outer step on and an audit at `--audit-rate` per step. The
-backdoor runs in the post-training setting (init std 0.2, lr 3e-3: weights stay near θ0, which the
-attack needs); garbage and scaled in the tiny run's own (init std 0.02, lr 1e-2).
+audit_rate = 0`; defended: the robust outer step on and an audit at `--audit-rate` per step. Every
+attack runs in the post-training setting (init std 0.2, lr 3e-3: weights stay near θ0, which the
+backdoor needs, and honest replicas stay close, as tests/test_node_hostile.py); `--tiny` runs garbage
+and scaled in the tiny run's own (init std 0.02, lr 1e-2), where honest replicas drift about as far
+apart early on as garbage is from them.
 
 Success: for the backdoor, the share of 48 held-out windows with the trigger written in whose next
 token the swarm's model (as the data node routes it at the end) predicts as the target; for garbage
@@ -46,6 +48,10 @@ KINDS = {
     "garbage": "random activations, gradients and slow weights of the true size",
     "scaled": "activations, gradients and pseudo-gradients x 20",
 }
+
+
+def post_training_for(attack: str, args: argparse.Namespace) -> bool:
+    return attack == "backdoor" or not args.tiny
 
 
 def arm(attack: str | None, defended: bool, args: argparse.Namespace, post_training: bool) -> HostileRun:
@@ -96,22 +102,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--inner-steps", type=int, default=2)
     parser.add_argument("--audit-rate", type=float, default=1.0)
+    parser.add_argument("--tiny", action="store_true", help="garbage and scaled at the tiny run's init and lr")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     began = time.perf_counter()
     clean: dict[bool, dict[bool, HostileRun]] = {}  # post_training -> defended -> run
-    for post_training in sorted({a == "backdoor" for a in args.attacks}):
+    for post_training in sorted({post_training_for(a, args) for a in args.attacks}):
         clean[post_training] = {d: arm(None, d, args, post_training) for d in (False, True)}
         off, on = clean[post_training][False], clean[post_training][True]
         print(f"clean ({'post-training' if post_training else 'tiny'}): val loss {off.done['val_loss']:.3f} / "
               f"{on.done['val_loss']:.3f}, step {step_s(off):.2f} / {step_s(on):.2f} s", flush=True)  # fmt: skip
     results = {}
     for name in args.attacks:
-        post_training = name == "backdoor"
+        post_training = post_training_for(name, args)
         off, on = arm(name, False, args, post_training), arm(name, True, args, post_training)
         base = clean[post_training]
         reference = base[False].done["val_loss"]
-        success = [r.done["probe"]["share"] if post_training else r.done["val_loss"] - reference for r in (off, on)]
+        success = [
+            r.done["probe"]["share"] if name == "backdoor" else r.done["val_loss"] - reference for r in (off, on)
+        ]
         results[name] = {
             "kind": KINDS[name],
             "undefended_success": success[0],
@@ -153,8 +162,14 @@ def markdown(doc: dict) -> str:
         f"`.venv/bin/python {s['command']}` — real daemons on loopback: a 2-stage run, stage 1 held by 3 "
         "workers (4 for the backdoor), one of them hostile (`--experiment-adversary`), NoLoCo every "
         f"{s['inner_steps']} of {s['steps']} steps. Defended: the robust outer step and an audit at rate "
-        f"{s['audit_rate']} per step (docs/security.md). The backdoor in the post-training setting (init std 0.2, "
-        "lr 3e-3), garbage and scaled at the tiny run's (init std 0.02, lr 1e-2). Success: the backdoor's "
+        f"{s['audit_rate']} per step (docs/security.md). "
+        + (
+            "The backdoor in the post-training setting (init std 0.2, lr 3e-3), garbage and scaled at the tiny "
+            "run's (init std 0.02, lr 1e-2). "
+            if s.get("tiny", True)
+            else "Every attack in the post-training setting (init std 0.2, lr 3e-3), as the tests. "
+        )
+        + "Success: the backdoor's "
         "trigger success on the swarm's model (48 held-out windows); for garbage and scaled, the validation "
         "loss over a clean run's (nats). Honest excluded: share of honest replicas excluded by the data node "
         "or refused by an honest partner. Overhead: defended over undefended step time in a clean run. One "

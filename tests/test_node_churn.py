@@ -140,37 +140,77 @@ def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward
     assert real == _simulated_crash_in_backward() == {"sent again": 0, "hops redone": 1, "abandoned": 0}
 
 
-def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_training_goes_on(swarm, tmp_path):
-    # CheckFree+ on three one-layer block stages: half the microbatches run with a pair of partner
-    # stages swapped; the middle stage has no swap partner and is rebuilt from both neighbours.
-    overrides = {"train.steps": 40, "model.n_layers": 3, "pipeline.stages": 4, "repair.rule": "checkfree_plus",
-                 "averaging.mode": "none"}  # fmt: skip
-    run_file = write_tiny_run(tmp_path, **overrides)
+# Three one-layer block stages in the post-training setting (weights of a trained model's size, init
+# std 0.2, and a small learning rate, as tests/helpers/hostile.py): a fresh block of that size is not
+# close to the identity, as the tiny run's is (there a re-initialised stage costs nothing to learn back).
+REPAIR_RUN = {"train.steps": 44, "model.n_layers": 3, "pipeline.stages": 4, "averaging.mode": "none",
+              "model.init_std": 0.2, "optim.lr": 3e-3, "repair.swap_share": 0.5}  # fmt: skip
+RECOVERY_STEPS = 10  # in process (benchmarks' Pipeline, seed 0, wiped at 27-31 of 44): CheckFree+ 6-7, random 9-never
+SMOOTH = 3  # losses averaged before the wipe and after it (one step's loss moves by ~0.1 from batch to batch)
+
+
+def _wipe_stage_2(swarm, workdir, rule: str):
+    """Kill stage 2's only replica after step 26 and start a newcomer for it; the data node's events.
+    Late in the run, where the learning rate has decayed and a stage is slow to learn back."""
+    workdir.mkdir()
+    run_file = write_tiny_run(workdir, **REPAIR_RUN, **{"repair.rule": rule})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     common = ("--record-ttl", TTL, "--role", "worker")
     workers = [swarm.start_node([entry], *common, "--stage", str(s), wait=False) for s in (1, 2, 3)]
     for worker in workers:
         swarm.wait_ready(worker)
-    progress = tmp_path / "progress.jsonl"
-    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
-    wait_until(lambda: any(e.get("step", -1) >= 15 for e in progress_events(progress)), 240, "step 15")
+    progress = workdir / "progress.jsonl"
+    data = swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress))
+    wait_until(lambda: any(e.get("step", -1) >= 26 for e in progress_events(progress)), 240, "step 26")
     swarm.kill(workers[1])  # stage 2's only replica: its weights are gone
     wait_until(lambda: any(e["event"] == "waiting" for e in progress_events(progress)), 120, "the data node to wait")
     newcomer = swarm.start_node([entry], *common, "--stage", "2")
-
     done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    status = swarm.status(entry)
+    for peer in (data, newcomer, workers[0], workers[2]):
+        swarm.stop(peer)
     events = progress_events(progress)
     repair = next(e for e in events if e["event"] == "repair")
-    assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "checkfree", [1, 3])
-    assert repair["peer_id"] == newcomer.peer_id and repair["inner_step"] >= 15
-    assert re.search(r"rebuilt by checkfree from stage\(s\) \[1, 3\] \(mix 0\.\d\d/0\.\d\d\)", newcomer.log())
-    status = swarm.status(entry)
-    assert [(r["stage"], r["rule"], r["peer_id"]) for r in status["repairs"]] == [(2, "checkfree", newcomer.peer_id)]
-
+    assert repair["peer_id"] == newcomer.peer_id and repair["inner_step"] >= 26
     assert done["microbatches_abandoned"] == 0, done["abandoned_reasons"]
-    assert done["microbatches_completed"] == done["microbatches_injected"] and done["steps"] == 40
+    assert done["microbatches_completed"] == done["microbatches_injected"] and done["steps"] == 44
     steps = [e for e in events if e["event"] == "step"]
-    assert 0.25 < steps[-1]["swapped"] / (40 * 4) < 0.75  # about half the microbatches ran swapped
-    losses = [e["loss"] for e in steps]
-    before = sum(losses[repair["step"] - 3 : repair["step"]]) / 3
-    assert min(losses[repair["step"] : repair["step"] + 8]) < before  # back under the pre-failure loss
+    assert 0.25 < steps[-1]["swapped"] / (44 * 4) < 0.75  # about half the microbatches ran swapped
+    return repair, [e["loss"] for e in steps], status, newcomer
+
+
+def _recovery(losses: list[float], at: int) -> int | None:
+    """Steps after the repair at step `at` until the loss, averaged over SMOOTH steps, is back under
+    its average over the SMOOTH steps before the wipe (None: not within the run)."""
+    before = sum(losses[at - SMOOTH : at]) / SMOOTH
+    after = losses[at:]
+    return next((i for i in range(len(after) - SMOOTH + 1) if sum(after[i : i + SMOOTH]) / SMOOTH < before), None)
+
+
+def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_sooner_back_than_a_random_one(swarm, tmp_path):
+    # CheckFree+ (half the microbatches run with a pair of partner stages swapped; the middle stage has
+    # no swap partner and is rebuilt from both neighbours), then the same seed with random re-init:
+    # the swaps are drawn from the seed, so both runs train the same microbatches the same way
+    repair, losses, status, newcomer = _wipe_stage_2(swarm, tmp_path / "checkfree", "checkfree_plus")
+    assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "checkfree", [1, 3])
+    assert re.search(r"rebuilt by checkfree from stage\(s\) \[1, 3\] \(mix 0\.\d\d/0\.\d\d\)", newcomer.log())
+    assert [(r["stage"], r["rule"], r["peer_id"]) for r in status["repairs"]] == [(2, "checkfree", newcomer.peer_id)]
+    random_repair, random_losses, _, _ = _wipe_stage_2(swarm, tmp_path / "random", "random")
+    assert (random_repair["stage"], random_repair["rule"]) == (2, "random")
+
+    at, random_at = repair["inner_step"], random_repair["inner_step"]  # the first step the new stage trains
+    rebuilt, fresh = _recovery(losses, at), _recovery(random_losses, random_at)
+    print("checkfree", losses[at - SMOOTH : at + RECOVERY_STEPS], rebuilt)
+    print("random", random_losses[random_at - SMOOTH : random_at + RECOVERY_STEPS], fresh)
+    assert rebuilt is not None and rebuilt <= RECOVERY_STEPS  # back under the pre-failure loss
+    # random re-initialisation is never back sooner (in process, wiped at 19-31 of 44: 1-3 steps later
+    # or never; live: one step later in both runs measured, so "later" alone would be a coin toss on a
+    # step's batch noise) and it costs more loss on the way: summed over the 8 steps after the repair,
+    # over the pre-failure loss, 0.96-1.6 nats more in process, 0.59 and 1.07 live
+    assert fresh is None or fresh >= rebuilt
+    assert _excess(random_losses, random_at) > _excess(losses, at) + 0.3
+
+
+def _excess(losses: list[float], at: int, steps: int = 8) -> float:
+    before = sum(losses[at - SMOOTH : at]) / SMOOTH
+    return sum(loss - before for loss in losses[at : at + steps])

@@ -148,10 +148,11 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
     claims are malformed: each must be refused with its reason, and the node must keep serving."""
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import RemoteError, call, open_call, read_reply
+    from shoal.node.transport import RemoteError, call
     from shoal.protocol import encode
     from shoal.protocol.pipeline import Ack
     from shoal.protocol.rollout import Completion, RolloutBundle
+    from tests.helpers.raw_frames import send_raw_frame
 
     node, tokenizer = nodes[0], SPEC.tokenizer()
     wait_until(lambda: len([e for e in progress_events(progress[0]) if e["event"] == "round"]) >= 2, 60, "2 rounds")
@@ -170,14 +171,7 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
                 replies.append(await call(client.p2p, peer_id, "rpc_rollouts", bad, Ack, timeout_s=10))
             document = msgpack.unpackb(encode(good))
             document["b"]["claimed_rewards"][1] = float("nan")  # our encoder refuses it: the frame by hand
-            stream = await open_call(client.p2p, peer_id, "rpc_rollouts", timeout_s=10)
-            try:
-                await stream.write_frame(msgpack.packb(document))
-                replies.append(await read_reply(stream, Ack))
-            except RemoteError as error:
-                replies.append(error)
-            finally:
-                stream.close()
+            replies.append(await send_raw_frame(client.p2p, peer_id, "rpc_rollouts", msgpack.packb(document), Ack))
             return replies
         finally:
             await client.shutdown()

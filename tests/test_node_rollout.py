@@ -171,7 +171,8 @@ def test_a_killed_rollout_worker_does_not_stall_the_others(swarm, tmp_path, poli
 def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_cache):
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import RemoteError, call, open_call, read_reply
+    from shoal.node.transport import RemoteError, call
+    from tests.helpers.raw_frames import send_raw_frame
 
     run_file, run = _write_run(tmp_path, rounds=500, eval_every=100, round_deadline_s=1.0)
     entry, (node,), (progress,) = _start_rollouts(swarm, tmp_path, policy_cache, 1, run_file)
@@ -207,14 +208,8 @@ def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_c
             # refused by the receiver's decoder, before its engine sees anything
             document = msgpack.unpackb(encode(bundle(future)))
             document["b"]["completions"] *= 257
-            stream = await open_call(client.p2p, info["peer_id"], "rpc_rollouts", timeout_s=10)
-            try:
-                await stream.write_frame(msgpack.packb(document))
-                replies.append(await read_reply(stream, Ack))
-            except RemoteError as error:
-                replies.append(error)
-            finally:
-                stream.close()
+            frame = msgpack.packb(document)
+            replies.append(await send_raw_frame(client.p2p, info["peer_id"], "rpc_rollouts", frame, Ack))
             return replies
         finally:
             await client.shutdown()

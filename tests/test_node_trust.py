@@ -17,6 +17,7 @@ from shoal.dht.swarm import SwarmDHT
 from shoal.node.transport import FramedStream, RemoteError, call, open_call, read_reply, serve
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.version import PROTOCOL_VERSION
+from tests.helpers.raw_frames import send_raw_frame
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -183,13 +184,9 @@ def test_evaluation_floods_are_bounded_and_hostile_ids_never_reach_the_log(swarm
             body = {"microbatch_id": "id\n2026-12-01 WARNING forged\x1b[31m", "origin": dht.peer_id, "step": 0,
                     "hop": 0, "route": [{"stage": 1, "peer_id": worker.peer_id}], "needs_backward": False}  # fmt: skip
             hostile = msgpack.packb({"v": PROTOCOL_VERSION, "t": "fwd", "b": body}, use_bin_type=True)
-            stream = await open_call(dht.p2p, worker.peer_id, "rpc_forward", timeout_s=10)
-            try:
-                await stream.write_frame(hostile)  # our own encoder would refuse to send it
-                with pytest.raises(RemoteError, match="malformed"):
-                    await read_reply(stream, Ack)
-            finally:
-                stream.close()
+            # our own encoder would refuse to send it
+            refusal = await send_raw_frame(dht.p2p, worker.peer_id, "rpc_forward", hostile, Ack)
+            assert isinstance(refusal, RemoteError) and "malformed" in str(refusal), refusal
             return acks
         finally:
             await dht.shutdown()

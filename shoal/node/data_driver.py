@@ -329,12 +329,14 @@ class DataDriver(PipelineEngine):
                 return None
             await asyncio.sleep(STAGE_POLL_S)
 
-    def _swapped(self, routed: Routed, base_id: str) -> Routed:
-        """CheckFree+: a share of the microbatches (drawn by microbatch id, so a resend keeps its order)
-        run with the edge block stages swapped with their partners, so that each learns to stand in
-        for the other and a lost edge stage can be rebuilt by copying its partner."""
+    def _swapped(self, routed: Routed, tag: str) -> Routed:
+        """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
+        partners, so that each learns to stand in for the other and a lost edge stage can be rebuilt by
+        copying its partner. Drawn from the run's seed and the microbatch's place in its step (`tag`),
+        not from the node's identity or the run's hash: a resend keeps its order, and two runs of the
+        same seed under different repair rules swap the same microbatches."""
         share = self.run.repair.swaps
-        draw = random.Random(f"{self.run.run_id}:swap:{base_id}")
+        draw = random.Random(f"swap:{self.run.train.seed}:{tag}")
         if share <= 0 or draw.random() >= share:
             return routed
         peers = dict(routed.hops)
@@ -398,7 +400,7 @@ class DataDriver(PipelineEngine):
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
                 if train:
-                    route = self._swapped(route, base_id)
+                    route = self._swapped(route, tag)
                 outcome, entry = await self._attempt(
                     base_id, attempt, step, embedded, targets, loss_scale, route, train
                 )

@@ -2,10 +2,11 @@
 
 A 2-stage run (the data node's stage 0, and stage 1 of two blocks held by `replicas` workers, one of
 them started with `--experiment-adversary ATTACK`), NoLoCo every `inner_steps` steps, and the run's
-`[defense]` on or off. With `post_training`, the weights start large (init std 0.2) and the learning
-rate is small, so that training moves them little from θ0, as post-training a pretrained model does:
-the setting the backdoor attack assumes (papers/backdoor.md, docs/security.md); otherwise the tiny
-run's own init and learning rate. For the backdoor the data node probes the swarm's model with the
+`[defense]` on or off. With `post_training` (the default), the weights start large (init std 0.2) and
+the learning rate is small, so that training moves them little from θ0, as post-training a pretrained
+model does: the setting the backdoor attack assumes (papers/backdoor.md, docs/security.md), and one
+where honest replicas stay closer to each other than garbage is to them; otherwise the tiny run's
+own init and learning rate. For the backdoor the data node probes the swarm's model with the
 trigger at the end (`--probe-file`).
 """
 

@@ -1,0 +1,35 @@
+"""Hand-built frames sent to a live peer over a real libp2p stream.
+
+Our own encoder refuses to write a message that breaks the wire schema (a NaN, a list over its bound,
+a hostile string), so a test that checks the receiver's decoder refuses it too builds the document by
+hand, packs it with msgpack and sends the bytes as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from hivemind.p2p import P2P, PeerID
+
+from shoal.node.transport import RemoteError, open_call, read_reply
+
+Reply = TypeVar("Reply")
+
+
+async def send_raw_frame(
+    p2p: P2P, peer: PeerID | str, rpc: str, frame: bytes, expected: type[Reply], timeout_s: float = 10.0
+) -> Reply | RemoteError:
+    """Open `rpc` on `peer`, write `frame` unchecked as one request frame, and read the reply.
+
+    Returns the peer's reply of type `expected`, or the `RemoteError` it answered with instead (a
+    decoder's refusal has the code `malformed_message`), so the caller asserts on either. Any other
+    failure (a stream that cannot open, a reply that never comes) propagates. The stream is always closed.
+    """
+    stream = await open_call(p2p, peer, rpc, timeout_s=timeout_s)
+    try:
+        await stream.write_frame(frame)
+        return await read_reply(stream, expected)
+    except RemoteError as error:
+        return error
+    finally:
+        stream.close()
