@@ -109,10 +109,10 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
         assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target (0.375-0.92 seen)
         assert taken(run, True)  # through averaging: honest replicas took its weights
         return
-    # 0.02-0.19 seen against 0.375-0.92 undefended. Norms cannot refuse it in the first epochs, while a
-    # replica has no history of its own (its Δ is 1.3-3x an honest one's, within the 3x tolerance now
-    # and then), and what honest replicas took then stays in the swarm's model; without the trigger
-    # the target is never predicted
+    # 0.00-0.19 seen against 0.375-0.92 undefended. Norms do not always refuse it in the first epochs,
+    # while replicas have little history (its Δ is 1.3-3.5x an honest one's, within the 3x tolerance
+    # now and then), and what honest replicas took then stays in the swarm's model; without the
+    # trigger the target is never predicted
     assert probe["share"] <= 0.25
     assert refused_by_honest(run) >= 2  # its outputs look honest: refusals by its partners excluded it
     assert run.attacker in run.excluded and "refused as averaging partner" in run.excluded[run.attacker]

@@ -85,6 +85,17 @@ def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
     ).accepted
 
 
+def test_a_replica_without_a_step_of_its_own_judges_a_partner_by_what_adamw_steps_can_move():
+    phi, idle = [torch.zeros(4)], [torch.zeros(4)]  # no microbatch routed to us this epoch, nothing before
+    honest, backdoor = [torch.full((4,), 0.9)], [torch.full((4,), 1.5)]  # ‖Δ‖ = 1.8 and 3.0 with M = 2
+    assert screen_partner(phi, idle, [torch.zeros(4)], honest, OuterHistory(), 3.0, step_bound=2.0).accepted
+    refused = screen_partner(phi, idle, [torch.zeros(4)], backdoor, OuterHistory(), 3.0, step_bound=2.0)
+    assert not refused.accepted and refused.delta_limit == pytest.approx(2.5) and "pseudo-gradient" in refused.reason
+    # once we have a Δ of our own, k × its median rules again (M a floor): 3 × 1.2 = 3.6 takes it
+    seen = OuterHistory(delta_norms=(1.2,))
+    assert screen_partner(phi, idle, [torch.zeros(4)], backdoor, seen, 3.0, step_bound=2.0).accepted
+
+
 def test_a_replica_that_never_took_a_partner_takes_one_as_far_as_it_drifted_but_not_garbage():
     """One of three NoLoCo replicas is always left without a partner; after four epochs alone one was
     honestly 4.4 from the others (paired ones were 0.9-1.7 apart) in a daemon run, and refused them."""

@@ -10,6 +10,7 @@ received against the distribution it has seen over its recent outer steps:
     NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > max(k·s_Δ, M)
             or ‖θ_partner − θ‖ > max(2k·s_D, 2M)
             (before it took any partner: max(k·‖Δ_own‖, 2M, min(2A, ‖θ‖)))
+            (before it took an inner step of its own, s_Δ unknown: ‖Δ_partner‖ > 1.25 M)
     DiLoCo: the mean cannot be refused per partner, so it is clipped toward our own Δ, as one
             CenteredClip iteration (Karimireddy et al., 2021) centred on ours: radius 2k·s_D
 
@@ -51,6 +52,13 @@ from dataclasses import dataclass
 import torch
 
 Tensors = Sequence[torch.Tensor]
+
+# A replica that has not taken an inner step yet (no microbatch routed to it since it joined) has no
+# Δ of its own to judge a partner's by. M is then the yardstick: an honest partner's H AdamW steps
+# cannot move it much further (AdamW's normalised step m̂/√v̂ reaches about 1.16 at β = (0.9, 0.95),
+# weight decay adds a little; honest Δs were 0.44-0.75 M in the tests' first epochs). A backdoor
+# replica's first Δ was 1.85 M, and one such replica took it blind.
+UNSEEN_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,9 @@ def screen_partner(
     theta = [p + d for p, d in zip(phi, delta, strict=True)]
     their_theta = [p.to(t) + d.to(t) for p, d, t in zip(their_phi, their_delta, theta, strict=True)]
     gap = distance(their_theta, theta)
-    delta_limit = max(_limit((*history.delta_norms, own_norm), tolerance), step_bound)
+    own_scale = _limit((*history.delta_norms, own_norm), tolerance)
+    unseen = math.isinf(own_scale) and step_bound > 0  # no Δ of our own yet: what the epoch's steps can move
+    delta_limit = UNSEEN_SLACK * step_bound if unseen else max(own_scale, step_bound)
     known = [d for d in history.distances if d > 0]
     if known or history.took_any:
         distance_limit = max(_limit(known, 2 * tolerance) if known else tolerance * own_norm, 2 * step_bound)
@@ -118,7 +128,8 @@ def screen_partner(
     distance_limit = distance_limit if distance_limit > 0 else math.inf
     reasons = []
     if their_norm > delta_limit:
-        reasons.append(f"pseudo-gradient norm {their_norm:.4g} over {delta_limit:.4g} ({tolerance:g}x the median)")
+        why = f"{UNSEEN_SLACK:g}x what the epoch's steps can move" if unseen else f"{tolerance:g}x the median"
+        reasons.append(f"pseudo-gradient norm {their_norm:.4g} over {delta_limit:.4g} ({why})")
     if gap > distance_limit:
         reasons.append(f"distance {gap:.4g} over {distance_limit:.4g} ({2 * tolerance:g}x the median)")
     return PartnerVerdict(not reasons, "; ".join(reasons), their_norm, gap, delta_limit, distance_limit)
