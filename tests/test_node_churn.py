@@ -58,6 +58,8 @@ def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else
     delegated = _stats(tmp_path / "holder.json")["recomputes_delegated"]
     redone = _stats(tmp_path / f"first{first.index(survivor)}.json")["recomputed"]
     assert delegated >= 1 and redone == delegated
+    # the gradients it passed upstream were kept for a redo until their step closed, not until expiry
+    assert _stats(tmp_path / "holder.json")["gradients_kept"] == 0
     assert f"redone by {survivor.peer_id[-8:]}" in holder.log()
     losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
     assert len(losses) == 8 and losses[-1] < losses[0]
