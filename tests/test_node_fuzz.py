@@ -51,7 +51,7 @@ from shoal.node.health import HealthService
 from shoal.node.pipeline_service import PipelineService
 from shoal.node.reachability import ReachService
 from shoal.node.rollout import MAX_PENDING_PER_PEER, RolloutService
-from shoal.node.transport import FramedStream, call, open_call, read_reply, rpc_methods, serve
+from shoal.node.transport import FramedStream, call, open_call, rpc_methods, serve
 from shoal.protocol.codec import decode, encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.limits import CHUNK_BYTES, INT64_MAX, INT64_MIN, MAX_MESSAGE_BYTES
@@ -70,6 +70,7 @@ from shoal.protocol.registry import registered_messages, tag_of
 from shoal.protocol.rollout import Completion
 from shoal.protocol.tensors import DTYPE_SIZES, TensorHeader, TensorMeta, TensorSpec, frame_payload
 from shoal.protocol.version import PROTOCOL_VERSION
+from tests.helpers.raw_frames import send_with_tensor
 from tests.helpers.tiny import tiny_run, write_tiny_run
 from tests.test_protocol_codec import any_message, message_strategy
 
@@ -612,16 +613,6 @@ class Home:
         return Ack(accepted=True)
 
 
-async def send_tensor(client: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
-    stream = await open_call(client.p2p, peer_id, rpc, timeout_s=10)
-    try:
-        await stream.write_message(request)
-        await stream.write_tensor(x, "float32")
-        return await read_reply(stream, Ack)
-    finally:
-        stream.close()
-
-
 async def until(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -816,7 +807,7 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
             x = torch.randn(MICROBATCH)
             live_names = {**names["worker"], LIVE: "fuzz-live-" + os.urandom(16).hex()}
             first = resolve(M_FORWARD, live_names)
-            assert (await send_tensor(origin, worker.peer_id, "rpc_forward", first, x)).accepted
+            assert (await send_with_tensor(origin, worker.peer_id, "rpc_forward", first, x)).accepted
             await until(lambda: home.forwards == 1, 30, "the live microbatch's activation to come home")
             tally = daemons["worker"].tally
             await asyncio.gather(
@@ -844,14 +835,14 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
                 ping = Ping(sent_at=1.0, nonce=7)
                 assert (await call(clients[name].p2p, daemons[name].peer_id, "rpc_ping", ping, Pong)).nonce == 7
             grad = resolve(M_BACKWARD, live_names)
-            ack = await send_tensor(origin, worker.peer_id, "rpc_backward", grad, torch.randn(MICROBATCH))
+            ack = await send_with_tensor(origin, worker.peer_id, "rpc_backward", grad, torch.randn(MICROBATCH))
             assert ack.accepted, ack
             await until(lambda: home.backwards == 1, 30, "the gradient to reach the data node")
             close = StepClose(step=0, completed=1, abandoned=0)
             assert (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted
             await until(lambda: metrics(worker)["shoal_inner_step"] == 1, 30, "the worker's inner step")
             after = dataclasses.replace(first, microbatch_id=first.microbatch_id + "-after", needs_backward=False)
-            assert (await send_tensor(origin, worker.peer_id, "rpc_forward", after, x)).accepted
+            assert (await send_with_tensor(origin, worker.peer_id, "rpc_forward", after, x)).accepted
             await until(lambda: home.forwards == 2, 30, "a forward after the fuzzing")
             result["final"] = {n: metrics(daemons[n].peer) for n in nodes}
 

@@ -14,10 +14,10 @@ from hivemind.p2p import PeerID
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.transport import FramedStream, RemoteError, call, open_call, read_reply, serve
+from shoal.node.transport import FramedStream, RemoteError, call, serve
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.version import PROTOCOL_VERSION
-from tests.helpers.raw_frames import send_raw_frame
+from tests.helpers.raw_frames import send_raw_frame, send_with_tensor
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -41,16 +41,6 @@ class Home:
 
 async def client(worker) -> SwarmDHT:
     return await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
-
-
-async def send(dht: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
-    stream = await open_call(dht.p2p, peer_id, rpc, timeout_s=10)
-    try:
-        await stream.write_message(request)
-        await stream.write_tensor(x, "float32")
-        return await read_reply(stream, Ack)
-    finally:
-        stream.close()
 
 
 def forward(dht: SwarmDHT, worker, mb: str, needs_backward: bool = True, origin: str | None = None) -> ForwardRequest:
@@ -83,9 +73,9 @@ def test_a_repeated_evaluation_forward_runs_once(swarm, tmp_path):
         dht = await client(worker)
         try:
             request, x = forward(dht, worker, "evaluation-repeat", needs_backward=False), torch.randn(2, 8, 32)
-            first = await send(dht, worker.peer_id, "rpc_forward", request, x)
+            first = await send_with_tensor(dht, worker.peer_id, "rpc_forward", request, x)
             await asyncio.sleep(2.0)  # the first forward is done and its output sent on (or given up)
-            return first, await send(dht, worker.peer_id, "rpc_forward", request, x)
+            return first, await send_with_tensor(dht, worker.peer_id, "rpc_forward", request, x)
         finally:
             await dht.shutdown()
 
@@ -109,10 +99,12 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
         try:
             x = torch.randn(2, 8, MODEL.d_model)
             mb = "data-0.0-5f1c2a9e"
-            assert (await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)).accepted
-            again = await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
+            assert (
+                await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
+            ).accepted
+            again = await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
             assert again.accepted  # taken as a retried stream: the saved graph is not overwritten
-            spoofed = await send(
+            spoofed = await send_with_tensor(
                 stranger, worker.peer_id, "rpc_forward", forward(stranger, worker, "x", origin=origin.peer_id), x
             )
             assert not spoofed.accepted and "hop before" in spoofed.reason
@@ -124,13 +116,15 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
 
             huge = torch.full((2, 8, MODEL.d_model), 3e38)
             with pytest.raises(RemoteError, match="beyond"):
-                await send(origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), huge)
+                await send_with_tensor(
+                    origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), huge
+                )
             grad = torch.randn(2, 8, MODEL.d_model)
-            foreign_origin = await send(
+            foreign_origin = await send_with_tensor(
                 stranger, worker.peer_id, "rpc_backward", backward(worker, mb, stranger.peer_id), grad
             )
             assert not foreign_origin.accepted and "another data node" in foreign_origin.reason
-            foreign_sender = await send(
+            foreign_sender = await send_with_tensor(
                 stranger, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), grad
             )
             assert not foreign_sender.accepted and "hop after ours" in foreign_sender.reason
@@ -139,7 +133,9 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
 
             large = torch.full((2, 8, MODEL.d_model), 6e4)  # within the wire bound: clipped, not refused
             assert (
-                await send(origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), large)
+                await send_with_tensor(
+                    origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), large
+                )
             ).accepted
             close = StepClose(step=0, completed=1, abandoned=0)  # taken once our gradient has run
             for _ in range(100):
@@ -150,7 +146,9 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
                 raise AssertionError("the step close was never taken")
             await asyncio.sleep(1.0)
             y = torch.randn(2, 8, MODEL.d_model)  # the worker still serves, with finite weights
-            assert (await send(origin, worker.peer_id, "rpc_forward", forward(origin, worker, "after"), y)).accepted
+            assert (
+                await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, "after"), y)
+            ).accepted
             for _ in range(100):
                 if home.arrived == 2:
                     break
@@ -179,7 +177,7 @@ def test_evaluation_floods_are_bounded_and_hostile_ids_never_reach_the_log(swarm
         try:
             x = torch.randn(2, 8, MODEL.d_model)
             requests = [forward(dht, worker, f"flood-{i}", needs_backward=False) for i in range(200)]
-            sent = (send(dht, worker.peer_id, "rpc_forward", r, x) for r in requests)
+            sent = (send_with_tensor(dht, worker.peer_id, "rpc_forward", r, x) for r in requests)
             acks = await asyncio.gather(*sent, return_exceptions=True)  # some streams fail at libp2p's own limits
             body = {"microbatch_id": "id\n2026-12-01 WARNING forged\x1b[31m", "origin": dht.peer_id, "step": 0,
                     "hop": 0, "route": [{"stage": 1, "peer_id": worker.peer_id}], "needs_backward": False}  # fmt: skip

@@ -1,19 +1,35 @@
-"""Hand-built frames sent to a live peer over a real libp2p stream.
+"""Messages sent by hand to a live peer over a real libp2p stream, as a hostile or careless peer would.
 
-Our own encoder refuses to write a message that breaks the wire schema (a NaN, a list over its bound,
-a hostile string), so a test that checks the receiver's decoder refuses it too builds the document by
-hand, packs it with msgpack and sends the bytes as they are.
+`send_with_tensor` sends a request and its tensor as a hop does, but with nothing checked on our
+side: no route, no retry. `send_raw_frame` sends bytes as they are: our own encoder refuses to write
+a message that breaks the wire schema (a NaN, a list over its bound, a hostile string), so a test
+that checks the receiver's decoder refuses it too builds the document by hand and packs it with
+msgpack.
 """
 
 from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
 from hivemind.p2p import P2P, PeerID
 
+from shoal.dht.swarm import SwarmDHT
 from shoal.node.transport import RemoteError, open_call, read_reply
+from shoal.protocol.pipeline import Ack
 
 Reply = TypeVar("Reply")
+
+
+async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
+    """One request and its float32 tensor on `rpc` of `peer_id`; the peer's Ack (a RemoteError raises)."""
+    stream = await open_call(client.p2p, peer_id, rpc, timeout_s=10)
+    try:
+        await stream.write_message(request)
+        await stream.write_tensor(x, "float32")
+        return await read_reply(stream, Ack)
+    finally:
+        stream.close()
 
 
 async def send_raw_frame(
