@@ -147,7 +147,7 @@ def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward
 # close to the identity, as the tiny run's is (there a re-initialised stage costs nothing to learn back).
 REPAIR_RUN = {"train.steps": 44, "model.n_layers": 3, "pipeline.stages": 4, "averaging.mode": "none",
               "model.init_std": 0.2, "optim.lr": 3e-3, "repair.swap_share": 0.5}  # fmt: skip
-RECOVERY_STEPS = 10  # in process (benchmarks' Pipeline, seed 0, wiped at 27-31 of 44): CheckFree+ 6-7, random 9-never
+RECOVERY_STEPS = 10  # CheckFree+ in process (benchmarks' Pipeline, seed 0, wiped at 19-32 of 44): 1-9; live: 0-7
 SMOOTH = 3  # losses averaged before the wipe and after it (one step's loss moves by ~0.1 from batch to batch)
 
 
@@ -189,7 +189,7 @@ def _recovery(losses: list[float], at: int) -> int | None:
     return next((i for i in range(len(after) - SMOOTH + 1) if sum(after[i : i + SMOOTH]) / SMOOTH < before), None)
 
 
-def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_sooner_back_than_a_random_one(swarm, tmp_path):
+def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_costs_less_than_a_random_one(swarm, tmp_path):
     # CheckFree+ (half the microbatches run with a pair of partner stages swapped; the middle stage has
     # no swap partner and is rebuilt from both neighbours), then the same seed with random re-init:
     # the swaps are drawn from the seed, so both runs train the same microbatches the same way
@@ -205,11 +205,11 @@ def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_sooner_back_than_a_
     print("checkfree", losses[at - SMOOTH : at + RECOVERY_STEPS], rebuilt)
     print("random", random_losses[random_at - SMOOTH : random_at + RECOVERY_STEPS], fresh)
     assert rebuilt is not None and rebuilt <= RECOVERY_STEPS  # back under the pre-failure loss
-    # random re-initialisation is never back sooner (in process, wiped at 19-31 of 44: 1-3 steps later
-    # or never; live: one step later in both runs measured, so "later" alone would be a coin toss on a
-    # step's batch noise) and it costs more loss on the way: summed over the 8 steps after the repair,
-    # over the pre-failure loss, 0.96-1.6 nats more in process, 0.59 and 1.07 live
-    assert fresh is None or fresh >= rebuilt
+    # Random re-initialisation costs more loss on the way back: summed over the 8 steps after the
+    # repair, over the pre-failure loss, 0.5-2.7 nats more in process (wiped at 19-35 of 44), 0.59-1.07
+    # live (six runs). When each gets back under the pre-failure loss is no measure at this scale: a
+    # step's batch noise decides it (live, CheckFree then random: 0/1, 6/7, 7/7, 7/6, 7/7, 7/7 steps;
+    # in process tied at one wipe step), and the two runs' wipes can land a step apart
     assert _excess(random_losses, random_at) > _excess(losses, at) + 0.3
 
 
