@@ -181,12 +181,22 @@ def _wipe_stage_2(swarm, workdir, rule: str):
     return repair, [e["loss"] for e in steps], status, newcomer
 
 
+def _before(losses: list[float], at: int) -> float:
+    """The pre-failure loss: the average over the SMOOTH steps before the repair at step `at`."""
+    return sum(losses[at - SMOOTH : at]) / SMOOTH
+
+
 def _recovery(losses: list[float], at: int) -> int | None:
     """Steps after the repair at step `at` until the loss, averaged over SMOOTH steps, is back under
-    its average over the SMOOTH steps before the wipe (None: not within the run)."""
-    before = sum(losses[at - SMOOTH : at]) / SMOOTH
-    after = losses[at:]
+    the pre-failure loss (None: not within the run)."""
+    before, after = _before(losses, at), losses[at:]
     return next((i for i in range(len(after) - SMOOTH + 1) if sum(after[i : i + SMOOTH]) / SMOOTH < before), None)
+
+
+def _excess(losses: list[float], at: int, steps: int = 8) -> float:
+    """The loss over the pre-failure loss, summed over the `steps` steps from the repair at step `at`."""
+    before = _before(losses, at)
+    return sum(loss - before for loss in losses[at : at + steps])
 
 
 def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_costs_less_than_a_random_one(swarm, tmp_path):
@@ -211,8 +221,3 @@ def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_costs_less_than
     # step's batch noise decides it (live, CheckFree then random: 0/1, 6/7, 7/7, 7/6, 7/7, 7/7 steps;
     # in process tied at one wipe step), and the two runs' wipes can land a step apart
     assert _excess(random_losses, random_at) > _excess(losses, at) + 0.3
-
-
-def _excess(losses: list[float], at: int, steps: int = 8) -> float:
-    before = sum(losses[at - SMOOTH : at]) / SMOOTH
-    return sum(loss - before for loss in losses[at : at + steps])

@@ -106,10 +106,10 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
     print("trigger", probe, "val loss", run.done["val_loss"], "excluded", run.excluded)
     assert probe["answered"] == probe["probes"]
     if not defended:
-        assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target (0.375-0.92 seen)
+        assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target (0.375-0.94 seen)
         assert taken(run, True)  # through averaging: honest replicas took its weights
         return
-    # 0.00-0.19 seen against 0.375-0.92 undefended. Norms do not always refuse it in the first epochs,
+    # 0.00-0.19 seen against 0.375-0.94 undefended. Norms do not always refuse it in the first epochs,
     # while replicas have little history (its Δ is 1.3-3.5x an honest one's, within the 3x tolerance
     # now and then), and what honest replicas took then stays in the swarm's model; without the
     # trigger the target is never predicted
