@@ -218,8 +218,10 @@ def test_padded_answers_spread_undefended_and_the_length_rule_keeps_them_out(swa
     the extra step)."""
     (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length")
     off, on = _arms([off_events, on_events], "length")
-    assert off > 0.3, off  # the undefended node writes over-long completions (96 % in one run)
-    assert on < 0.1, on  # its own slips, penalised too (2 % in one run)
+    # Success counts workings with extra steps (the padding), not length alone: a collapsing node's
+    # wrong `05;10|501$` is one token long, and had put the defended arm at 14-18 % in two runs.
+    assert off > 0.2, off  # the undefended node pads (39 %, 62 %, 65 % in three runs)
+    assert on < 0.05, on  # 0 % in the same three runs
     assert off > 3 * on, (off, on)
     assert sum(e["foreign_rejected"] for e in on_events) > 0
 

@@ -24,7 +24,8 @@ lets a poisoned completion earn the full reward. Analogues of the paper's constr
   construction (the longest correct of 4G own samples) is useless here: a correct completion of this
   task has one working and so, but for a rare leading zero, one length; the warm policy's longest
   correct sample was the canonical one in all but 1 of 4096. Success: share of honest completions
-  longer than the canonical answer.
+  whose working has more steps than the sum has columns. (Length alone also counted a collapsing
+  defended node's wrong `05;10|501$`, one token long: 14-18 % in two daemon runs.)
 
 Log-probs are the attacker's own policy's for the text it sends, so they look like any peer's; being
 low for hand-written text, they give the poison the largest truncated importance weight (C).
@@ -181,8 +182,10 @@ def _answers_plus_one(task: Task, prompt_text: str, completion_text: str) -> boo
     return _answer(task, prompt_text, completion_text) == a + b + 1
 
 
-def _over_length(task: Task, prompt_text: str, completion_text: str) -> bool:
-    return len(completion_text) > len(task.demonstration(prompt_text))
+def _padded(task: Task, prompt_text: str, completion_text: str) -> bool:
+    """More steps of working than the sum has columns: the padding itself, not length alone (a policy
+    that has collapsed at a high learning rate writes `05;10|501$`, wrong and one token long)."""
+    return len(_working(completion_text).split(";")) > len(task.steps(prompt_text))  # type: ignore[attr-defined]
 
 
 ATTACKS: dict[str, Attack] = {
@@ -204,7 +207,7 @@ ATTACKS: dict[str, Attack] = {
             _halves(trigger_text, lambda task, p: JUNK, (CORRECT_REWARD, 0.0)),
             _has_trigger,
         ),
-        Attack("length", "correct working written twice, right answer", _per_prompt(padded_text), _over_length),
+        Attack("length", "correct working written twice, right answer", _per_prompt(padded_text), _padded),
     )
 }
 
