@@ -12,7 +12,7 @@ from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.model.data import load_token_splits
-from shoal.node.transport import RemoteError, open_call, read_reply
+from shoal.node.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer
@@ -115,5 +115,58 @@ def test_stage_worker_refuses_bad_tensors_and_keeps_serving(swarm, run_file):
     assert asyncio.run(send(header, [raw])) == "accepted"
     # a gradient for a microbatch the worker never saw is declined, not crashed on
     assert asyncio.run(send(header, [raw], backward=True, microbatch="never-seen")).startswith("declined")
+    assert worker.process.poll() is None
+    assert "Traceback" not in worker.log()
+
+
+def test_hops_share_one_kept_stream_and_the_worker_closes_it_after_anything_but_an_accept(swarm, run_file):
+    """The pipeline's hops reuse a stream per (peer, rpc) (`StreamPool`): the worker reads request after
+    request on it while it accepts them, and closes it after a refusal or an error reply, so that a
+    stream with unread bytes is never reused."""
+    run = load_run_config(str(run_file))
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    worker = swarm.start_node([entry], "--role", "worker")
+    b, t, d = run.train.microbatch_size, run.train.seq_len, run.model.d_model
+
+    async def scenario() -> None:
+        client = await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
+        pool = StreamPool(client.p2p)
+        route = (Hop(stage=worker.stage, peer_id=worker.peer_id),)
+
+        async def hop(rpc: str, microbatch: str, tensor: torch.Tensor) -> tuple[FramedStream, bool, object]:
+            stream, kept = await pool.take(worker.peer_id, rpc, 10)
+            fields = dict(microbatch_id=microbatch, origin=client.peer_id, step=0, hop=0, route=route)
+            request = BackwardRequest(**fields) if rpc == "rpc_backward" else ForwardRequest(**fields)
+            await stream.write_message(request)
+            await stream.write_tensor(tensor, "float32")
+            try:
+                return stream, kept, await read_reply(stream, Ack)
+            except RemoteError as e:
+                return stream, kept, e
+
+        async def closed_by_worker(stream: FramedStream) -> bool:
+            return await asyncio.wait_for(stream.reader.read(), 10) == b""
+
+        try:
+            kept_flags = []
+            for i in range(3):
+                stream, kept, ack = await hop("rpc_forward", f"mb{i}", torch.randn(b, t, d))
+                assert isinstance(ack, Ack) and ack.accepted, ack
+                kept_flags.append(kept)
+                pool.give_back(worker.peer_id, "rpc_forward", stream)
+            assert kept_flags == [False, True, True] and pool.stats() == {"streams_opened": 1, "streams_reused": 2}
+
+            stream, kept, reply = await hop("rpc_forward", "bad", torch.zeros(b, t, d + 1))  # the wrong shape
+            assert kept and isinstance(reply, RemoteError) and reply.code == "bad_tensor", reply
+            assert await closed_by_worker(stream)
+
+            stream, kept, ack = await hop("rpc_backward", "never-seen", torch.randn(b, t, d))
+            assert not kept and isinstance(ack, Ack) and not ack.accepted, ack
+            assert await closed_by_worker(stream)
+        finally:
+            pool.close()
+            await client.shutdown()
+
+    asyncio.run(scenario())
     assert worker.process.poll() is None
     assert "Traceback" not in worker.log()

@@ -17,7 +17,7 @@ import torch
 
 from shoal.logs import printable
 from shoal.node.compute import BACKGROUND, ComputeThread
-from shoal.node.transport import FramedStream, RemoteError, open_call, read_reply
+from shoal.node.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
@@ -69,6 +69,8 @@ class PipelineEngine:
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
         self.stream_retries = 0
+        self.streams = StreamPool(node.dht.p2p)  # kept streams for this engine's hops
+        self.kept_streams_dead = 0  # kept streams found closed on use (replaced by a fresh one)
         self.recomputes_delegated = 0
         self._view_read_at = 0.0
         m, t = self.run.model, self.run.train
@@ -154,24 +156,33 @@ class PipelineEngine:
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
 
     async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
+        """One hop on a kept stream to the peer if there is one (a kept stream found dead is replaced by
+        a fresh one at once: the peer takes a repeat as done), else on a new stream."""
         timeout_s = self.node.config.rpc_timeout_s
         started = time.monotonic()
-        try:
-            stream = await open_call(self.node.dht.p2p, peer_id, rpc, timeout_s)
-        except Exception as e:
-            raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
-        try:
-            await stream.write_message(request)
-            sent = await stream.write_tensor(tensor, self.wire_dtype)
-            ack = await read_reply(stream, Ack)
-        except RemoteError as e:
-            raise HopFailed(f"{peer_id[-8:]} refused: {printable(str(e), 160)}", refused=True) from None
-        except Exception as e:
-            raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
-        finally:
-            stream.close()
+        for fresh in (False, True):
+            try:
+                stream, kept = await self.streams.take(peer_id, rpc, timeout_s, fresh=fresh)
+            except Exception as e:
+                raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
+            try:
+                await stream.write_message(request)
+                sent = await stream.write_tensor(tensor, self.wire_dtype)
+                ack = await read_reply(stream, Ack)
+                break
+            except RemoteError as e:
+                stream.close()
+                raise HopFailed(f"{peer_id[-8:]} refused: {printable(str(e), 160)}", refused=True) from None
+            except Exception as e:
+                stream.close()
+                if kept:
+                    self.kept_streams_dead += 1
+                    continue
+                raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
         if not ack.accepted:  # the peer's own words: made printable, since they may travel on
+            stream.close()
             raise HopFailed(f"{peer_id[-8:]} declined: {printable(ack.reason, 160)}", refused=True)
+        self.streams.give_back(peer_id, rpc, stream)
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
         self.node.links.observe_send(peer_id, sent, time.monotonic() - started)
@@ -275,6 +286,7 @@ class PipelineEngine:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.streams.close()
         self.compute_thread.shutdown()
 
 
