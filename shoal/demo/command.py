@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--mode", choices=("pipeline", "grpo"), default="pipeline", help="what the swarm trains")
     grpo.add_arguments(parser)
-    parser.add_argument("--workers-per-stage", type=int, default=2, help="stage workers per block stage")
+    parser.add_argument(
+        "--workers-per-stage", type=int, default=2, help="stage workers per block stage (placed there with --stage)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
     parser.add_argument(
         "--crash-at-step",
@@ -137,18 +139,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
         console.print(f"bootstrap peer: {entry}", soft_wrap=True)
+        # The demo places its workers (`--stage`) so the layout is the one asked for: left to choose at
+        # once, 4 workers once split 3/1, their start-up speed tests being noisy on 2 shared cores.
+        block_stages = run_config.pipeline.stages - 1
         workers = [
             swarm.start_node(
                 [entry],
                 "--role",
                 "worker",
+                "--stage",
+                str(1 + i % block_stages),
                 "--stats-file",
                 str(workdir / f"stats-w{i}.json"),
                 *node_args,
                 wait=False,
                 name=f"worker{i}",
             )
-            for i in range(args.workers_per_stage * (run_config.pipeline.stages - 1))
+            for i in range(args.workers_per_stage * block_stages)
         ]
         for worker in workers:
             swarm.wait_ready(worker)
