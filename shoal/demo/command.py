@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
         console.print(f"bootstrap peer: {entry}", soft_wrap=True)
         # The demo places its workers (`--stage`) so the layout is the one asked for: left to choose at
-        # once, 4 workers once split 3/1, their start-up speed tests being noisy on 2 shared cores.
+        # once, 4 workers once split 3/1 and kept it (a trained node no longer moves).
         block_stages = run_config.pipeline.stages - 1
         workers = [
             swarm.start_node(
