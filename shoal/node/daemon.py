@@ -222,6 +222,17 @@ class Node:
         forward_s = blocks / max(self.block_throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
         return self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
 
+    def _placement_seen(self) -> str:
+        """What a stage choice rested on, for the log: this node's speed and the holders it saw."""
+        seen = f"own speed {self.block_throughput:.1f} blocks/s"
+        if self.view is None or self.view.stages < 2:
+            return seen
+        view = self.view
+        me = self.peer_id
+        speeds = {s: [f"{n.block_throughput:.1f}" for n in view.replicas(s, me)] for s in range(1, view.stages)}
+        holders = ", ".join(f"stage {s}: {' '.join(v) or 'none'}" for s, v in speeds.items())
+        return f"{seen}; others seen, by speed: {holders}"
+
     def candidate(self) -> Candidate:
         return Candidate(
             peer_id=self.peer_id,
@@ -272,7 +283,7 @@ class Node:
 
     def _set_stage(self, stage: int) -> None:
         if stage != self.stage:
-            logger.info("[%s] takes stage %d", self.short_id, stage)
+            logger.info("[%s] takes stage %d (%s)", self.short_id, stage, self._placement_seen())
         self.stage = stage
         blocks = len(stage_layers(self.run.model.n_layers, self.run.pipeline.stages, stage))
         self.max_inflight = self.config.max_inflight or capacity.inflight_budget(self.run, max(1, blocks))
