@@ -81,10 +81,14 @@ def test_a_garbage_replica_ruins_the_loss_unless_audits_exclude_it(swarm, tmp_pa
         return
     check_defended(run)
     assert run.done["val_loss"] < GARBAGE_EXCLUDED_VAL_LOSS
-    assert any("failed 2 of its last" in reason for reason in run.excluded.values())
+    # Whichever defense gets there first: two failed audits, or both honest replicas of its stage refusing
+    # it as an averaging partner (once, in a full-suite run: 1 failed audit by then, val loss 5.14).
+    caught_by = ("failed 2 of its last", "refused as averaging partner")
+    assert any(why in reason for reason in run.excluded.values() for why in caught_by), run.excluded
     assert run.status is not None
     shown = [e for e in run.status["excluded"] if e["by_role"] == "data"]
-    assert [e["peer_id"] for e in shown] == [run.attacker] and "audits" in shown[0]["reason"]
+    assert [e["peer_id"] for e in shown] == [run.attacker], shown
+    assert "audits" in shown[0]["reason"] or "averaging partner" in shown[0]["reason"], shown
 
 
 @pytest.mark.parametrize("defended", ARMS)
