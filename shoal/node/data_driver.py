@@ -752,5 +752,10 @@ class DataDriver(PipelineEngine):
         return {"probes": len(tokens), "answered": answered, "hits": hits, "share": hits / max(answered, 1)}
 
     def stats(self) -> dict:
-        streams = {**self.streams.stats(), "kept_streams_dead": self.kept_streams_dead}
-        return {"steps": len(self.history), "refused": self.refused, **self.ledger.summary(), **self.summary, **streams}
+        return {
+            "steps": len(self.history),
+            "refused": self.refused,
+            **self.ledger.summary(),
+            **self.summary,
+            **self.streams.stats(),
+        }

@@ -70,7 +70,6 @@ class PipelineEngine:
         self._tasks: set[asyncio.Task] = set()
         self.stream_retries = 0
         self.streams = StreamPool(node.dht.p2p)  # kept streams for this engine's hops
-        self.kept_streams_dead = 0  # kept streams found closed on use (replaced by a fresh one)
         self.recomputes_delegated = 0
         self._view_read_at = 0.0
         m, t = self.run.model, self.run.train
@@ -176,7 +175,7 @@ class PipelineEngine:
             except Exception as e:
                 stream.close()
                 if kept:
-                    self.kept_streams_dead += 1
+                    self.streams.found_dead += 1
                     continue
                 raise HopFailed(f"{peer_id[-8:]} failed: {type(e).__name__} {e}"[:200]) from None
         if not ack.accepted:  # the peer's own words: made printable, since they may travel on

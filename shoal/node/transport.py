@@ -252,6 +252,7 @@ class StreamPool:
         self._idle: dict[tuple[str, str], list[tuple[float, FramedStream]]] = {}
         self.opened = 0
         self.reused = 0
+        self.found_dead = 0  # kept streams that failed on use (the caller replaced them with a fresh one)
 
     async def take(self, peer: str, rpc: str, timeout_s: float, fresh: bool = False) -> tuple[FramedStream, bool]:
         """(a stream to `peer`'s `rpc`, whether it was kept from an earlier call)."""
@@ -282,7 +283,7 @@ class StreamPool:
         self._idle.clear()
 
     def stats(self) -> dict[str, int]:
-        return {"streams_opened": self.opened, "streams_reused": self.reused}
+        return {"streams_opened": self.opened, "streams_reused": self.reused, "kept_streams_dead": self.found_dead}
 
 
 async def read_reply(stream: FramedStream, expected: type) -> Any:

@@ -572,7 +572,6 @@ class StageWorker(PipelineEngine):
             "recomputes_delegated": self.recomputes_delegated,
             "stream_retries": self.stream_retries,
             **self.streams.stats(),
-            "kept_streams_dead": self.kept_streams_dead,
             "copies_served": self.copies_served,
             "adversary": None if self.attack is None else self.attack.name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
