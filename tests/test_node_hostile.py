@@ -113,9 +113,10 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
         assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target (0.375-0.94 seen)
         assert taken(run, True)  # through averaging: honest replicas took its weights
         return
-    # 0.00-0.19 seen against 0.375-0.94 undefended. Norms do not always refuse it in the first epochs,
-    # while replicas have little history (its Δ is 1.3-3.5x an honest one's, within the 3x tolerance
-    # now and then), and what honest replicas took then stays in the swarm's model; without the
+    # 0.00 in 8 of 9 runs and 0.06 in one, against 0.375-0.94 undefended. What honest replicas take
+    # stays in the swarm's model: its Δ is 0.7-19 M (what the epoch's AdamW steps can move), honest
+    # ones 0.16-0.79 M, and its 0.71 M in one epoch was taken. 3 x a replica's own median Δ alone let
+    # 1.1-1.9 M through in the first epochs (0.63 once in CI): 1.25 M is a ceiling now. Without the
     # trigger the target is never predicted
     assert probe["share"] <= 0.25
     assert refused_by_honest(run) >= 2  # its outputs look honest: refusals by its partners excluded it

@@ -85,15 +85,20 @@ def test_limits_come_from_our_own_steps_and_ignore_empty_epochs():
     ).accepted
 
 
-def test_a_replica_without_a_step_of_its_own_judges_a_partner_by_what_adamw_steps_can_move():
+def test_what_adamw_steps_can_move_judges_a_partner_without_a_step_of_ours_and_caps_every_limit():
     phi, idle = [torch.zeros(4)], [torch.zeros(4)]  # no microbatch routed to us this epoch, nothing before
     honest, backdoor = [torch.full((4,), 0.9)], [torch.full((4,), 1.5)]  # ‖Δ‖ = 1.8 and 3.0 with M = 2
     assert screen_partner(phi, idle, [torch.zeros(4)], honest, OuterHistory(), 3.0, step_bound=2.0).accepted
     refused = screen_partner(phi, idle, [torch.zeros(4)], backdoor, OuterHistory(), 3.0, step_bound=2.0)
     assert not refused.accepted and refused.delta_limit == pytest.approx(2.5) and "pseudo-gradient" in refused.reason
-    # once we have a Δ of our own, k × its median rules again (M a floor): 3 × 1.2 = 3.6 takes it
+    # once we have a Δ of our own, k × its median rules (M a floor), but 1.25 M stays the ceiling:
+    # 3 × 1.2 = 3.6 would take the backdoor's 3.0 (honest Δs vary 2-3x within an epoch)
     seen = OuterHistory(delta_norms=(1.2,))
-    assert screen_partner(phi, idle, [torch.zeros(4)], backdoor, seen, 3.0, step_bound=2.0).accepted
+    capped = screen_partner(phi, idle, [torch.zeros(4)], backdoor, seen, 3.0, step_bound=2.0)
+    assert not capped.accepted and capped.delta_limit == pytest.approx(2.5) and "epoch's steps" in capped.reason
+    assert screen_partner(phi, idle, [torch.zeros(4)], honest, seen, 3.0, step_bound=2.0).accepted
+    small = OuterHistory(delta_norms=(0.3,))  # 3 × 0.3 < M: M is the floor, and an honest 1.8 passes
+    assert screen_partner(phi, idle, [torch.zeros(4)], honest, small, 3.0, step_bound=2.0).delta_limit == 2.0
 
 
 def test_a_replica_that_never_took_a_partner_takes_one_as_far_as_it_drifted_but_not_garbage():

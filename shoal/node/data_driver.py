@@ -251,7 +251,7 @@ class DataDriver(PipelineEngine):
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         if audit is not None:
             await audit
-        stats = await self.compute(self.optimizer.step)
+        stats = await self.compute(self.optimizer.step, step)
         await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.node.inner_step = self.optimizer.step_count
         if stats.skipped:

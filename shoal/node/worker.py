@@ -461,7 +461,7 @@ class StageWorker(PipelineEngine):
         if not self.contributors or not self.contributors <= self.closed or self.live_graphs > 0:
             return
         self.contributors, self.closed = set(), set()
-        stats = await self.compute(self.optimizer.step, priority=BACKWARD)
+        stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
         if self.attack is not None:
             params = list(self.module.parameters())
             await self.compute(self.attack.after_step, params, self.closed_step, priority=BACKWARD)

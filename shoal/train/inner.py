@@ -37,8 +37,10 @@ class InnerOptimizer:
         self.step_count = 0
         self.skipped = 0
 
-    def step(self) -> StepStats:
-        """Clip, step and zero the gradients accumulated since the last step.
+    def step(self, at: int | None = None) -> StepStats:
+        """Clip, step and zero the gradients accumulated since the last step; `at` is the run's step
+        this one closes (the schedule's clock: a stage replica that served no microbatch in some steps
+        took no optimizer step in them, and must not lag behind its stage's schedule for it).
 
         A step whose gradient norm is not finite is skipped (and counted): its gradients are dropped
         and the weights stay as they were. Clipped finite gradients move each weight by at most about
@@ -46,6 +48,8 @@ class InnerOptimizer:
         the run's clock, so the learning-rate schedule stays aligned with the other stages."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip)) if params else 0.0
+        if at is not None:
+            self.step_count = max(self.step_count, at)
         lr = learning_rate(self.step_count, self.optim, self.total_steps) * self.lr_scale
         skipped = not math.isfinite(grad_norm)
         if skipped:

@@ -7,7 +7,7 @@ received against the distribution it has seen over its recent outer steps:
 
     s_Δ = median(‖Δ‖ of its own last steps, this one included)
     s_D = median(‖θ_partner − θ‖ of the partners it accepted)
-    NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > max(k·s_Δ, M)
+    NoLoCo: refuse the partner (a local step instead) if ‖Δ_partner‖ > min(max(k·s_Δ, M), 1.25 M)
             or ‖θ_partner − θ‖ > max(2k·s_D, 2M)
             (before it took any partner: max(k·‖Δ_own‖, 2M, min(2A, ‖θ‖)))
             (before it took an inner step of its own, s_Δ unknown: ‖Δ_partner‖ > 1.25 M)
@@ -24,22 +24,25 @@ two replicas that just averaged together) say nothing about the spread and are l
 medians. M, the most the epoch's AdamW steps can move a replica (each weight by about the learning
 rate per step: Σ_t lr_t·√(number of weights)), keeps a replica that took fewer steps than its partner
 this epoch (it served fewer microbatches, or none) from refusing it; two replicas that left the same
-slow weights are at most 2M apart. A replica that never took a partner has no distances to go by,
-and NoLoCo's pairs leave one alone for several epochs now and then (one of three always is): it
-drifted honestly from where the stage started, and its first partner drifted about as much, so it
-takes one up to twice its own drift A away (the moves of its slow weights in its local steps, plus
-‖Δ_own‖; 4.4 apart after four epochs alone was refused before this), but never one further than
-‖θ‖, the size of its own weights: such a partner shares nothing with it (random weights of the right
-size are √2·‖θ‖ off). A grows only with our own measured moves, in every epoch without a partner
-taken, refusals included: an honest replica paired with an attacker for five epochs, refusing it each
-time, drifted alone as far as one left out of the pairs, and without its drift it refused the first
-honest partner it met (1.35 apart, 0.91 allowed). An attacker gains little by being refused: its
-distance from the refusing replica grows at its own rate, faster than the replica's drift (a
-backdoor's Δ was 5x an honest one). Once a partner was taken the distances take over. The Δ scale
-comes from our own steps only, and only accepted
-partners' distances enter the history, so an attacker cannot widen the window it is judged by (an
-accepted one would stay in it for `window` steps). Pure: tensors and tuples in, a verdict and a new
-history out.
+slow weights are at most 2M apart. It is a ceiling as well: no honest Δ is much over M (AdamW's
+normalised step is about 1 per weight at most), so one over 1.25 M is refused whatever our own
+median allows. Honest Δs vary 2-3x within one epoch (replicas serve different numbers of
+microbatches), so k·s_Δ of a replica that served many is wide: a backdoor replica's Δ of 1.1-1.2 (1.3-
+2.3 M) passed 3 × 0.49 in a replica's first epochs, and the swarm's model ended answering its trigger.
+A replica that never took a partner has no distances to go by, and NoLoCo's pairs leave one alone for
+several epochs now and then (one of three always is): it drifted honestly from where the stage started,
+and its first partner drifted about as much, so it takes one up to twice its own drift A away (the
+moves of its slow weights in its local steps, plus ‖Δ_own‖; 4.4 apart after four epochs alone was
+refused before this), but never one further than ‖θ‖, the size of its own weights: such a partner
+shares nothing with it (random weights of the right size are √2·‖θ‖ off). A grows only with our own
+measured moves, in every epoch without a partner taken, refusals included: an honest replica paired
+with an attacker for five epochs, refusing it each time, drifted alone as far as one left out of the
+pairs, and without its drift it refused the first honest partner it met (1.35 apart, 0.91 allowed). An
+attacker gains little by being refused: its distance from the refusing replica grows at its own rate,
+faster than the replica's drift (a backdoor's Δ was 5x an honest one). Once a partner was taken the
+distances take over. The Δ scale comes from our own steps only, and only accepted partners' distances
+enter the history, so an attacker cannot widen the window it is judged by (an accepted one would stay
+in it for `window` steps). Pure: tensors and tuples in, a verdict and a new history out.
 """
 
 from __future__ import annotations
@@ -53,12 +56,12 @@ import torch
 
 Tensors = Sequence[torch.Tensor]
 
-# A replica that has not taken an inner step yet (no microbatch routed to it since it joined) has no
-# Δ of its own to judge a partner's by. M is then the yardstick: an honest partner's H AdamW steps
-# cannot move it much further (AdamW's normalised step m̂/√v̂ reaches about 1.16 at β = (0.9, 0.95),
-# weight decay adds a little; honest Δs were 0.44-0.75 M in the tests' first epochs). A backdoor
-# replica's first Δ was 1.85 M, and one such replica took it blind.
-UNSEEN_SLACK = 1.25
+# The most an honest partner's H AdamW steps can move it, in units of M: AdamW's normalised step
+# m̂/√v̂ reaches about 1.16 at β = (0.9, 0.95), weight decay adds a little; honest Δs were 0.44-0.75 M
+# in the tests' first epochs. A backdoor replica's Δ was 1.3-2.3 M. It is the whole yardstick for a
+# replica that has not taken an inner step yet (no microbatch routed to it since it joined: no Δ of
+# its own to judge by; one such replica took the backdoor's blind), and a ceiling for every other.
+STEP_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class PartnerVerdict:
     reason: str  # why it was refused or clipped ("" if taken as it came)
     delta_norm: float  # the partner's ‖Δ‖ (DiLoCo: the mean's)
     distance: float  # ‖θ_partner − θ‖ (DiLoCo: ‖mean − Δ_own‖)
-    delta_limit: float  # max(k·s_Δ, M) (inf: no reference yet)
+    delta_limit: float  # min(max(k·s_Δ, M), 1.25 M) (inf: no reference yet)
     distance_limit: float  # max(2k·s_D, 2M) (inf: no reference yet)
 
 
@@ -108,7 +111,7 @@ def screen_partner(
     step_bound: float = 0.0,
 ) -> PartnerVerdict:
     """Whether a NoLoCo partner's (φ, Δ) is within `tolerance` times the recent medians (see above);
-    a ‖Δ‖ within `step_bound` (M), and a distance within 2M, always are.
+    a ‖Δ‖ within `step_bound` (M), and a distance within 2M, always are; a ‖Δ‖ over 1.25 M never is.
 
     The tensors are assumed checked already (count, shape, finite: outer.check_partner_tensors)."""
     own_norm = norm(delta)
@@ -117,8 +120,8 @@ def screen_partner(
     their_theta = [p.to(t) + d.to(t) for p, d, t in zip(their_phi, their_delta, theta, strict=True)]
     gap = distance(their_theta, theta)
     own_scale = _limit((*history.delta_norms, own_norm), tolerance)
-    unseen = math.isinf(own_scale) and step_bound > 0  # no Δ of our own yet: what the epoch's steps can move
-    delta_limit = UNSEEN_SLACK * step_bound if unseen else max(own_scale, step_bound)
+    ceiling = STEP_SLACK * step_bound if step_bound > 0 else math.inf  # what the epoch's steps can move
+    delta_limit = min(max(own_scale, step_bound), ceiling)
     known = [d for d in history.distances if d > 0]
     if known or history.took_any:
         distance_limit = max(_limit(known, 2 * tolerance) if known else tolerance * own_norm, 2 * step_bound)
@@ -128,7 +131,8 @@ def screen_partner(
     distance_limit = distance_limit if distance_limit > 0 else math.inf
     reasons = []
     if their_norm > delta_limit:
-        why = f"{UNSEEN_SLACK:g}x what the epoch's steps can move" if unseen else f"{tolerance:g}x the median"
+        capped = delta_limit == ceiling
+        why = f"{STEP_SLACK:g}x what the epoch's steps can move" if capped else f"{tolerance:g}x the median"
         reasons.append(f"pseudo-gradient norm {their_norm:.4g} over {delta_limit:.4g} ({why})")
     if gap > distance_limit:
         reasons.append(f"distance {gap:.4g} over {distance_limit:.4g} ({2 * tolerance:g}x the median)")
