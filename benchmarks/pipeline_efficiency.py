@@ -164,7 +164,7 @@ def local_run(run_file: Path, cores: set[int], workdir: Path) -> dict:
 # ---- the swarm side ----------------------------------------------------------------------------------
 
 
-def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path) -> dict:
+def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path, threads: int = 1) -> dict:
     run = load_run_config(str(run_file))
     assert run.train.steps == steps, f"run file trains {run.train.steps} steps, not {steps}"
     work = workdir / f"swarm-{time.monotonic_ns()}"
@@ -182,6 +182,8 @@ def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path) -> dic
                 "worker",
                 "--stats-file",
                 str(work / f"worker{i}.json"),
+                "--threads",
+                str(threads),
                 wait=False,
                 name=f"worker{i}",
             )
@@ -191,7 +193,7 @@ def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path) -> dic
             swarm.wait_ready(worker)
         swarm.start_node(
             [entry], "--role", "data", "--progress-file", str(progress), "--stats-file", str(work / "data.json"),
-            name="data",
+            "--threads", str(threads), name="data",
         )  # fmt: skip
 
         def snapshot(label: str) -> None:
@@ -512,6 +514,7 @@ def abandoned_text(a: dict) -> str:
 
 def markdown(r: dict) -> str:
     hop, mem, budget = r["hop_latency"], r["memory_over_long_run"], r["cpu_budget"]
+    threads = budget.get("node_threads", 1)
     steady, whole = r["ratio_vs_local_steady"], r["ratio_vs_local_whole_run"]
     parity, load = r["loss_parity"], r["load_average"]
     peak = r["swarm_runs"][0]["peak_rss_mb"]
@@ -549,7 +552,8 @@ def markdown(r: dict) -> str:
         f"**Same CPU budget**: everything runs confined to the same {k} core{'s' if k > 1 else ''} "
         f"({budget['core_ids']}; asserted for every process, p2pd daemons included): the local trainer with "
         f"{k} torch thread{'s' if k > 1 else ''} in one process, the swarm as a bootstrap peer, "
-        f"{r['stages'] - 1} stage workers and 1 data node with 1 torch thread each.",
+        f"{r['stages'] - 1} stage workers and 1 data node with {threads} torch "
+        f"thread{'s' if threads > 1 else ''} each.",
         "",
         "| side | tokens/s, steady state | tokens/s, whole run | CPU time used of its budget | tokens per CPU second |",
         "|---|---|---|---|---|",
@@ -656,6 +660,7 @@ def main() -> int:
     parser.add_argument("--cores", type=int, default=None, help="the CPU budget of each side (default: all)")
     parser.add_argument("--long-steps", type=int, default=250, help="steps of the memory run (x microbatches)")
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--node-threads", type=int, default=1, help="torch threads of each swarm node")
     parser.add_argument(
         "--averaging",
         default="none",
@@ -710,13 +715,13 @@ def main() -> int:
                 if side == "local":
                     locals_.append(local_run(run_file, cores, workdir))
                 else:
-                    swarms.append(swarm_run(run_file, args.steps, cores, workdir))
+                    swarms.append(swarm_run(run_file, args.steps, cores, workdir, args.node_threads))
         print("hop latency ...", file=sys.stderr)
         hops = hop_latency(workdir)
         print(f"memory run: {args.long_steps} steps ...", file=sys.stderr)
         long_file = workdir / "long.toml"
         long_file.write_text(run.replace({"train.steps": args.long_steps}).to_toml())
-        long_run = swarm_run(long_file, args.long_steps, cores, workdir)
+        long_run = swarm_run(long_file, args.long_steps, cores, workdir, args.node_threads)
 
     steps_local = {x["steps"] for x in locals_}
     steps_swarm = {x["steps"] for x in swarms}
@@ -745,7 +750,18 @@ def main() -> int:
     params = run.model.params()
     command = "python benchmarks/pipeline_efficiency.py" + "".join(
         f" --{name.replace('_', '-')} {getattr(args, name)}"
-        for name in ("run", "steps", "repeats", "warmup_steps", "cores", "long_steps", "target", "averaging", "section")
+        for name in (
+            "run",
+            "steps",
+            "repeats",
+            "warmup_steps",
+            "cores",
+            "long_steps",
+            "target",
+            "averaging",
+            "section",
+            "node_threads",
+        )
         if getattr(args, name) != parser.get_default(name)
     )
     result = {
@@ -766,7 +782,8 @@ def main() -> int:
             "core_ids": sorted(cores),
             "local": f"1 process x {len(cores)} torch threads",
             "swarm": f"{run.pipeline.stages + 1} processes (bootstrap, {run.pipeline.stages - 1} workers, data) "
-            "x 1 torch thread, and their p2pd daemons",
+            f"x {args.node_threads} torch thread(s), and their p2pd daemons",
+            "node_threads": args.node_threads,
             "meaning": "both sides confined to the same cores by CPU affinity, asserted for every process",
         },
         "target_ratio": args.target,
