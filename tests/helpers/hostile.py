@@ -31,6 +31,19 @@ class HostileRun:
     honest: list[str]  # the honest replicas' peer ids
     workers: dict[str, dict] = field(default_factory=dict)  # peer id -> stats file at shutdown
     status: dict | None = None  # `shoal status --json` at the end, if asked for
+    run_file: Path | None = None  # the run config the swarm trained
+
+    def step_ceiling(self, epoch: int) -> float:
+        """The most an honest replica's pseudo-gradient of `epoch` can be, 1.25 M (shoal.train.robust)."""
+        from shoal.config import load_run_config
+        from shoal.model.stages import build_stage
+        from shoal.train.robust import STEP_SLACK, adam_step_bound
+        from shoal.train.schedule import learning_rate
+
+        run = load_run_config(str(self.run_file))
+        h, stage = run.averaging.inner_steps, build_stage(run.model, run.pipeline.stages, 1, run.train.seed)
+        rates = [learning_rate(t, run.optim, run.train.steps) for t in range((epoch - 1) * h, epoch * h)]
+        return STEP_SLACK * adam_step_bound(rates, sum(p.numel() for p in stage.parameters()))
 
     @property
     def excluded(self) -> dict[str, str]:
@@ -95,6 +108,7 @@ def run_hostile(
         honest=[w.peer_id for w in (workers[1:] if attack is not None else workers)],
         workers={w.peer_id: json.loads(path.read_text()) for w, path in zip(workers, stats, strict=True)},
         status=shown,
+        run_file=run_file,
     )
 
 
