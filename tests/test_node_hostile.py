@@ -123,7 +123,8 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
     # every honest replica that met it carrying more than AdamW steps can move refused it. How often that
     # happens depends on its routes: weighed by a start-up speed test (298 against 435-926 blocks/s
     # once), it served 6 of 64 microbatches in one run, injected in 2 epochs, and met one honest
-    # partner then; it is excluded once two have refused it
+    # partner then; it is excluded once two have refused it (or by audits first, if its injections moved
+    # its outputs: 0.63 output sizes where 0.5 were allowed, once)
     delta = {entry[0]: entry[3] for entry in run.averaging(run.attacker)["outer_log"]}
     met = [
         (epoch, took)
@@ -134,7 +135,8 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
     print("met with an injection over 1.25 M (epoch, taken):", met, "its deltas:", delta)
     assert met and not any(took for _, took in met), met
     if refused_by_honest(run) >= 2:
-        assert run.attacker in run.excluded and "refused as averaging partner" in run.excluded[run.attacker]
+        reason = run.excluded.get(run.attacker, "")
+        assert "refused as averaging partner" in reason or "failed 2 of its last" in reason, run.excluded
 
 
 def test_honest_replicas_are_neither_refused_nor_excluded(swarm, tmp_path):
