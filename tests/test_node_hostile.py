@@ -16,7 +16,7 @@ replicas stay close there (audit spreads 0.06-0.63 output sizes, partners 0.2-0.
 0.02, lr 1e-2) honest replicas drift 1.5-2.5 output sizes apart within a few steps, farther than
 garbage is, and no tolerance separates them: these tests were `soak` while they ran there (a clean
 run excluded an honest replica in one of five). Measured with `-s --durations` on the 2-core machine:
-30-40 s each, 236 s for the seven, the machine otherwise idle but for one single-threaded job.
+21-30 s each, 177 s for the seven (236 s while the odd one out of NoLoCo's pairs stalled each epoch).
 """
 
 from __future__ import annotations
