@@ -133,9 +133,13 @@ class DiLoCoAverager:
         worker = self.worker
         delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
         started = time.monotonic()
-        mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, self._outgoing(delta))
+        alone = await self._alone()
+        mean = None
+        if not alone:
+            mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, self._outgoing(delta))
         if mean is None:
-            logger.info("[%s] epoch %d: no all-reduce group in time; local outer step", self.node.short_id, epoch)
+            why = "no other replica of the stage" if alone else "no all-reduce group in time"
+            logger.info("[%s] epoch %d: %s; local outer step", self.node.short_id, epoch, why)
             self.state = local_step(self.state, delta, self.config)
             self.local_steps += 1
         else:
@@ -146,6 +150,17 @@ class DiLoCoAverager:
         await worker.compute(load_slow_weights, worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch
         self.node.outer_epoch = epoch
+
+    async def _alone(self) -> bool:
+        """Whether a fresh view shows no other replica of our stage. Matchmaking would look for a group
+        until the exchange timeout, and the data node's next step waits for our outer step: a stage
+        with one replica stalled the pipeline 10 s at every outer step."""
+        try:
+            view = await self.node.refresh_view()
+        except Exception as e:
+            logger.info("[%s] could not refresh the view (%r): trying the all-reduce", self.node.short_id, e)
+            return False
+        return not any(n.peer_id != self.node.peer_id for n in view.replicas(self.worker.stage))
 
     def _all_reduce(self, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Put our Δ in, average with whoever matched, and read the mean (None if no group formed)."""
