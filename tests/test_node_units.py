@@ -79,3 +79,36 @@ def test_capacity_routes_take_one_live_replica_per_stage_in_proportion_to_speed(
     assert [hops[0][1] for hops in firsts] == ["fast", "fast", "fast", "slow"]
     assert router.route("data", exclude={"b"}) is None
     assert view.stages_without_replica() == [] and view.without(["b"]).stages_without_replica() == [2]
+
+
+def test_the_speed_test_sees_through_a_burst_of_load_but_not_through_steady_load():
+    """Nodes that start together measure while the others import and measure: a burst slows a few
+    passes of the window, and the faster quartile does not see it; load all along slows them all."""
+    import time
+
+    from shoal.node import capacity
+    from tests.helpers.tiny import tiny_run
+
+    run = tiny_run()
+    started = time.perf_counter()
+    quiet = capacity.measure_block_throughput(run, window_s=0.1)
+    assert time.perf_counter() - started >= 0.1 and quiet > 0
+    real = capacity.BlockStage
+
+    class Loaded(real):
+        passes = 0
+
+        def forward(self, x):
+            Loaded.passes += 1
+            time.sleep(self.delay(Loaded.passes))
+            return super().forward(x)
+
+    try:
+        Loaded.delay = staticmethod(lambda n: 0.05 if 3 <= n <= 5 else 0.0)  # a burst: 3 passes of many
+        capacity.BlockStage = Loaded
+        burst = capacity.measure_block_throughput(run, window_s=0.1)
+        Loaded.passes, Loaded.delay = 0, staticmethod(lambda n: 0.05)  # slowed all along
+        steady = capacity.measure_block_throughput(run, window_s=0.1)
+    finally:
+        capacity.BlockStage = real
+    assert steady < 20 < burst  # 0.05 s a pass: under 20 passes a second, whatever the quartile
