@@ -41,13 +41,16 @@ def test_a_killed_worker_comes_back_as_itself_with_its_saved_weights_and_nothing
     progress = tmp_path / "progress.jsonl"
     peers = [  # all at once: the data node waits for the pipeline
         swarm.start_node([entry], *common, "--stage", "1", wait=False),
-        swarm.start_node([entry], *common, "--stage", "2", *keep, wait=False),
+        # it holds step 8's gradients, so that it dies mid-run however fast the steps go (20 steps took
+        # 1.2 s once, and the kill came after the last save: nothing was left to train after it)
+        swarm.start_node([entry], *common, "--stage", "2", *keep, "--inject-upstream-delay", "8:60", wait=False),
         swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--progress-file", str(progress), wait=False),
     ]
     for peer in peers:
         swarm.wait_ready(peer)
     kept = peers[1]
 
+    wait_until(lambda: "holding the gradient" in kept.log(), 120, "the hold at step 8")
     wait_until(lambda: _manifest(state).get("inner_step", 0) >= 5, 120, "a save at inner step 5")
     swarm.kill(kept)  # SIGKILL: stage 2's only replica, and everything it held in flight
     saved = _manifest(state)
