@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 
+from shoal.config import OptimConfig
 from shoal.train.robust import (
     OuterHistory,
     adam_step_bound,
     centered_clip,
     distance,
+    epoch_step_bound,
     norm,
     remember,
     screen_mean,
@@ -128,6 +130,9 @@ def test_a_replica_that_never_took_a_partner_takes_one_as_far_as_it_drifted_but_
 
 def test_the_step_bound_is_what_adamw_steps_can_move():
     assert adam_step_bound([0.01, 0.02], parameters=10_000) == pytest.approx(3.0)
+    warming = OptimConfig(lr=0.01, warmup_steps=2, min_lr_ratio=1.0)  # steps 0, 1 at lr/2, lr; then lr
+    assert epoch_step_bound(warming, 100, inner_steps=2, epoch=1, parameters=10_000) == pytest.approx(1.5)
+    assert epoch_step_bound(warming, 100, inner_steps=2, epoch=3, parameters=10_000) == pytest.approx(2.0)
 
 
 def test_centered_clip_moves_a_value_toward_the_center_to_the_radius():

@@ -41,8 +41,15 @@ from shoal.train.outer import (
     pseudo_gradient,
     replica_distance,
 )
-from shoal.train.robust import OuterHistory, PartnerVerdict, adam_step_bound, distance, norm, remember, screen_partner
-from shoal.train.schedule import learning_rate
+from shoal.train.robust import (
+    OuterHistory,
+    PartnerVerdict,
+    distance,
+    epoch_step_bound,
+    norm,
+    remember,
+    screen_partner,
+)
 
 if TYPE_CHECKING:
     from shoal.node.worker import StageWorker
@@ -330,10 +337,9 @@ class NoLoCoAverager:
         return refused_by_partners(refusals, stage_of)
 
     def _step_bound(self, epoch: int) -> float:
-        """M for this epoch's H inner steps (robust.adam_step_bound), at the run's learning rates."""
-        run, h = self.node.run, self.config.inner_steps
-        rates = [learning_rate(t, run.optim, run.train.steps) for t in range((epoch - 1) * h, epoch * h)]
-        return adam_step_bound(rates, sum(p.numel() for p in self.state.phi))
+        """M for this epoch's H inner steps (robust.epoch_step_bound), at the run's learning rates."""
+        run, parameters = self.node.run, sum(p.numel() for p in self.state.phi)
+        return epoch_step_bound(run.optim, run.train.steps, self.config.inner_steps, epoch, parameters)
 
     @property
     def excluded(self) -> list[dict]:

@@ -54,6 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.config import OptimConfig
+from shoal.train.schedule import learning_rate
+
 Tensors = Sequence[torch.Tensor]
 
 # The most an honest partner's H AdamW steps can move it, in units of M: AdamW's normalised step
@@ -143,6 +146,12 @@ def adam_step_bound(learning_rates: Sequence[float], parameters: int) -> float:
     """M: about the most these AdamW steps can move weights, Σ lr_t·√(parameters) (each step moves each
     weight by about its learning rate at most, whatever the gradient)."""
     return sum(learning_rates) * math.sqrt(parameters)
+
+
+def epoch_step_bound(optim: OptimConfig, total_steps: int, inner_steps: int, epoch: int, parameters: int) -> float:
+    """M for outer epoch `epoch` (1-based): what its `inner_steps` AdamW steps at the run's schedule can move."""
+    rates = [learning_rate(t, optim, total_steps) for t in range((epoch - 1) * inner_steps, epoch * inner_steps)]
+    return adam_step_bound(rates, parameters)
 
 
 def remember(

@@ -37,13 +37,11 @@ class HostileRun:
         """The most an honest replica's pseudo-gradient of `epoch` can be, 1.25 M (shoal.train.robust)."""
         from shoal.config import load_run_config
         from shoal.model.stages import build_stage
-        from shoal.train.robust import STEP_SLACK, adam_step_bound
-        from shoal.train.schedule import learning_rate
+        from shoal.train.robust import STEP_SLACK, epoch_step_bound
 
         run = load_run_config(str(self.run_file))
-        h, stage = run.averaging.inner_steps, build_stage(run.model, run.pipeline.stages, 1, run.train.seed)
-        rates = [learning_rate(t, run.optim, run.train.steps) for t in range((epoch - 1) * h, epoch * h)]
-        return STEP_SLACK * adam_step_bound(rates, sum(p.numel() for p in stage.parameters()))
+        parameters = sum(p.numel() for p in build_stage(run.model, run.pipeline.stages, 1, run.train.seed).parameters())
+        return STEP_SLACK * epoch_step_bound(run.optim, run.train.steps, run.averaging.inner_steps, epoch, parameters)
 
     @property
     def excluded(self) -> dict[str, str]:
