@@ -95,3 +95,32 @@ def test_route_order_matters():
         skipped = forward_route(head, [blocks[0], blocks[2]], tokens, targets)
     assert float(in_order) != float(swapped)
     assert float(in_order) != float(skipped)
+
+
+def test_the_heads_split_backward_adds_exactly_what_one_backward_would():
+    """The data node sends the gradient in its input first and adds the LM head's weight gradient
+    later (zero-bubble's B/W split): over several microbatches, bit for bit what `backward` adds,
+    whether each W pass runs at once or after later microbatches' B passes."""
+    whole = build_stage(CFG, 3, 0, seed=0)
+    split = build_stage(CFG, 3, 0, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    deferred = []
+    for i in range(3):
+        x = torch.randn(2, 16, CFG.d_model, generator=generator)
+        targets = torch.randint(0, CFG.vocab_size, (2, 16), generator=generator)
+        x_whole = x.clone().requires_grad_(True)
+        loss = whole.loss(x_whole, targets)
+        (loss * 0.25).backward()
+        split_loss, x_grad, weight_grad = split.loss_and_input_grad(x, targets, loss_scale=0.25)
+        assert split_loss == loss.item()
+        assert torch.equal(x_grad, x_whole.grad)
+        assert torch.equal(split.norm.weight.grad, whole.norm.weight.grad)
+        if i == 0:
+            assert split.lm_head.weight.grad is None  # nothing reaches the head's weight before its W pass
+        deferred.append(weight_grad)
+        if i >= 1:  # the first two W passes after the second B pass, the third at once
+            for pending in deferred:
+                pending.accumulate()
+            deferred = []
+    assert torch.equal(split.lm_head.weight.grad, whole.lm_head.weight.grad)
+    assert split.embedding.weight.grad is None and x.grad is None

@@ -27,7 +27,11 @@ def run_file(tmp_path):
     return write_tiny_run(tmp_path, **{"train.steps": 8, "averaging.mode": "none"})
 
 
-def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path):
+@pytest.mark.parametrize("close_delay", [0.0, 0.3], ids=["prompt-closes", "closes-overtaken-by-forwards"])
+def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path, close_delay):
+    """The data node does not wait for its step close to be answered before the next step's forwards.
+    With every close delayed past them, the workers must hold those forwards until they have stepped:
+    a forward run on the weights of the step before would part the losses from the local trainer's."""
     run = load_run_config(str(run_file))
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     workers = [swarm.start_node([entry], "--role", "worker", wait=False) for _ in range(run.pipeline.stages - 1)]
@@ -35,7 +39,8 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
         swarm.wait_ready(worker)
     assert sorted(w.stage for w in workers) == list(range(1, run.pipeline.stages))
     progress = tmp_path / "progress.jsonl"
-    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
+                     "--inject-close-delay", str(close_delay))  # fmt: skip
     done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
 
     reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,22 @@ class BlockStage(nn.Module):
         return x
 
 
+@dataclass
+class HeadWeightGrad:
+    """The LM head's weight gradient of one microbatch, added when the caller chooses (`accumulate`)."""
+
+    weight: nn.Parameter
+    logits_grad: torch.Tensor  # (B, T, V)
+    normed: torch.Tensor  # (B, T, C): the LM head's input
+
+    def accumulate(self) -> None:
+        grad = self.logits_grad.flatten(0, 1).t().mm(self.normed.flatten(0, 1))  # (V, C), as Linear's backward
+        if self.weight.grad is None:
+            self.weight.grad = grad
+        else:
+            self.weight.grad += grad
+
+
 class HeadStage(nn.Module):
     """Stage 0: token ids -> embeddings on the way in; activations -> logits -> loss on the way out."""
 
@@ -148,6 +165,28 @@ class HeadStage(nn.Module):
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def loss_and_input_grad(
+        self, x: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0
+    ) -> tuple[float, torch.Tensor, HeadWeightGrad]:
+        """The loss of a microbatch, the gradient of `loss * loss_scale` in `x`, and the LM head's
+        weight gradient left for later (zero-bubble pipelining's B/W split).
+
+        The gradient in `x` is what the last block stage waits for; the LM head's weight gradient
+        (a third of this stage's backward) is needed only by the optimizer step, so the caller can
+        compute it while the block stages run their own backward. The norm's weight gradient comes
+        with `x`'s, at the cost of an elementwise product. `HeadWeightGrad.accumulate` adds what a
+        full `backward` would have added to `lm_head.weight.grad`, the same product of the same
+        operands."""
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            normed = self.norm(x)
+            logits = F.linear(normed, self.lm_head.weight.detach())
+            logits.retain_grad()
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            (loss * loss_scale).backward()
+        assert x.grad is not None and logits.grad is not None
+        return float(loss.detach()), x.grad, HeadWeightGrad(self.lm_head.weight, logits.grad, normed.detach())
 
 
 class Llama(nn.Module):

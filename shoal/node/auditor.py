@@ -97,6 +97,7 @@ class Auditor:
     async def _audit_safely(self, step: int, tokens: torch.Tensor) -> None:
         """An audit that went wrong on our side is logged; it never stops the training step."""
         try:
+            await self.driver.closes_taken()  # replicas compared on the same step's weights
             await self.audit(step, tokens)
         except Exception as e:
             logger.warning("[%s] step %d: audit abandoned: %r", self.node.short_id, step, e)

@@ -118,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="fault injection for tests: a worker slower than it claims, by this much per forward",
     )
+    parser.add_argument(
+        "--inject-close-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="fault injection for tests: a data node that sends each step close this much later",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
@@ -230,6 +237,7 @@ def node_config(args: argparse.Namespace):
         max_swaps=args.max_swaps,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
         inject_forward_delay_s=args.inject_forward_delay,
+        inject_close_delay_s=args.inject_close_delay,
         policy_width=args.policy_width,
         policy_depth=args.policy_depth,
         policy_heads=args.policy_heads,

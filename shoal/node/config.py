@@ -48,6 +48,9 @@ class NodeConfig:
     inject_upstream_delay: tuple[int, float] | None = None
     # fault injection for tests: a worker that computes this much slower than it claims (every forward)
     inject_forward_delay_s: float = 0.0
+    # fault injection for tests: a data node whose step closes reach the workers this much later, after
+    # the next step's forwards
+    inject_close_delay_s: float = 0.0
     # GRPO rollout workers: this node's own policy (its model id goes into the node record)
     policy_width: int = 48
     policy_depth: int = 2
@@ -76,6 +79,8 @@ class NodeConfig:
             raise ConfigError("--threads", "must be at least 1")
         if self.inject_forward_delay_s < 0:
             raise ConfigError("--inject-forward-delay", "must be zero or more")
+        if self.inject_close_delay_s < 0:
+            raise ConfigError("--inject-close-delay", "must be zero or more")
         if self.use_auto_relay and not self.use_relay:
             raise ConfigError("--use-auto-relay", "needs the relay transport: drop --no-relay")
         if self.max_inflight is not None and self.max_inflight < 1:

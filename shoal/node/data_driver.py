@@ -21,9 +21,10 @@ import torch
 
 from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
+from shoal.model.llama import HeadWeightGrad
 from shoal.model.stages import build_stage
 from shoal.node.auditor import Auditor
-from shoal.node.compute import BACKWARD, FORWARD
+from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
@@ -150,6 +151,8 @@ class DataDriver(PipelineEngine):
         self.current_step = 0
         self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
         self.auditor = Auditor(self)  # audits of stage replicas, and the replicas excluded for good
+        self.weight_grads: list[asyncio.Future] = []  # the LM head's deferred W passes of this step
+        self.closing: asyncio.Future | None = None  # the workers' answers to our last step close
 
     movable = False  # a data node keeps its shard, embedding and head
 
@@ -216,6 +219,7 @@ class DataDriver(PipelineEngine):
                     **result.extra,
                 }
             )
+        await self.closes_taken()  # evaluation and probes see every worker's last step
         self.auditor.on_view(await self.node.refresh_view())  # exclusions workers just published count too
         val_loss = await self.evaluate()
         probe = await self.probe()
@@ -251,8 +255,12 @@ class DataDriver(PipelineEngine):
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         if audit is not None:
             await audit
-        stats = await self.compute(self.optimizer.step, step)
-        await self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
+        await self._weight_grads_done()
+        await self.closes_taken()  # the last step's: one close in flight at a time
+        self.closing = self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
+        stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
+        if self.outer_step_follows(step):  # the workers average now: the next step starts on their result
+            await self.closes_taken()
         self.node.inner_step = self.optimizer.step_count
         if stats.skipped:
             logger.warning("[%s] step %d skipped: gradient norm %s", self.node.short_id, step, stats.grad_norm)
@@ -268,9 +276,26 @@ class DataDriver(PipelineEngine):
             extra={"lr": stats.lr, "audits": self.auditor.audits, "excluded": len(self.auditor.excluded)},
         )
 
-    async def close_step(self, step: int, completed: int, abandoned: int) -> None:
-        """Tell the workers that this step is over, and wait for their answers, so that no microbatch
-        of the next step reaches a worker before it has stepped (and, every H steps, averaged)."""
+    async def _weight_grads_done(self) -> None:
+        pending, self.weight_grads = self.weight_grads, []
+        await asyncio.gather(*pending)
+
+    def outer_step_follows(self, step: int) -> bool:
+        averaging = self.run.averaging
+        return averaging.mode != "none" and (step + 1) % averaging.inner_steps == 0
+
+    async def closes_taken(self) -> None:
+        """Every worker has answered our last step close (or failed to)."""
+        if self.closing is not None:
+            await asyncio.shield(self.closing)
+
+    def close_step(self, step: int, completed: int, abandoned: int) -> asyncio.Future:
+        """Tell the workers that this step is over; returns the task that waits for their answers.
+
+        The next step need not wait for them: a worker holds a forward of step s until it has handled
+        our close of step s-1 (stepped and, every H steps, averaged), so it never runs on stale
+        weights, while our embedding and first hop of the next step overlap its inner step. The close
+        goes out on its own stream and may arrive after the forwards it precedes."""
         close = StepClose(step=step, completed=completed, abandoned=abandoned)
         view = self.node.view
         live = {n.peer_id for n in view.live_nodes()} if view is not None else set()
@@ -279,13 +304,15 @@ class DataDriver(PipelineEngine):
         peers = sorted(p for p in self.step_peers | workers if p in live or not live)
 
         async def tell(peer: str) -> None:
+            if self.node.config.inject_close_delay_s:  # fault injection: the next step's forwards overtake it
+                await asyncio.sleep(self.node.config.inject_close_delay_s)
             try:
                 timeout_s = STEP_CLOSE_TIMEOUT_S + 2 * self.run.averaging.exchange_timeout_s
                 await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=timeout_s)
             except Exception as e:
                 logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)
 
-        await asyncio.gather(*(tell(peer) for peer in peers))
+        return self.spawn(asyncio.gather(*(tell(peer) for peer in peers)), f"close step {step}")
 
     @torch.no_grad()
     def _embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -519,21 +546,25 @@ class DataDriver(PipelineEngine):
         if entry.backward is not None or entry.home:
             self.step_peers.update(entry.route_peers)
 
-    def _loss_and_grad(self, entry: InFlight, x: torch.Tensor, train: bool) -> tuple[float, torch.Tensor | None]:
+    def _loss_and_grad(
+        self, entry: InFlight, x: torch.Tensor, train: bool
+    ) -> tuple[float, torch.Tensor | None, HeadWeightGrad | None]:
         if not train:
             with torch.no_grad():
-                return float(self.head.loss(x, entry.targets)), None
-        x = x.requires_grad_(True)
-        with torch.enable_grad():
-            loss = self.head.loss(x, entry.targets)
-            (loss * entry.loss_scale).backward()
-        return float(loss.detach()), x.grad
+                return float(self.head.loss(x, entry.targets)), None, None
+        return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale)
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
-        entry.loss, grad = await self.compute(self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD)
+        entry.loss, grad, weight_grad = await self.compute(
+            self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD
+        )
         if grad is None:
             self._end(request.microbatch_id, COMPLETED)
             return
+        assert weight_grad is not None
+        # the last block stage waits for `grad`, nobody for the LM head's weight gradient: it runs when
+        # this node has nothing more urgent, at the latest before the optimizer step
+        self.weight_grads.append(self.compute_thread.run(WEIGHT_GRAD, weight_grad.accumulate))
         last = len(request.route) - 1
         entry.backward = BackwardRequest(
             microbatch_id=request.microbatch_id, origin=request.origin, step=request.step, hop=last, route=request.route

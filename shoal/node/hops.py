@@ -79,12 +79,14 @@ class PipelineEngine:
     async def compute(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
         return await self.compute_thread.run(priority, fn, *args)
 
-    def spawn(self, coro: Awaitable[Any], name: str) -> None:
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Future:
         """Run work in the background, kept so shutdown can cancel it."""
         task = asyncio.ensure_future(coro)
-        task.set_name(name)
+        if isinstance(task, asyncio.Task):
+            task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)

@@ -46,6 +46,11 @@ from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
 
+# A data node sends a step's forwards without waiting for its close of the step before to be answered,
+# and a forward may overtake that close: it waits this long for the close to arrive (see
+# `_after_previous_close`). A close that does not come by then was lost, and the forward goes ahead.
+CLOSE_OVERTAKEN_WAIT_S = 5.0
+
 AVERAGERS = {"noloco": NoLoCoAverager, "diloco": DiLoCoAverager}
 
 
@@ -95,6 +100,9 @@ class StageWorker(PipelineEngine):
         self.copies_served = 0
         self.attack = None  # an EXPERIMENT's hostile behaviour (shoal.adversary.stage), set by prepare_attack
         self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
+        self.closes_heard: dict[str, int] = {}  # per data node: the latest step whose close arrived
+        self.closes_handled: dict[str, int] = {}  # ... and was handled: stepped, and averaged when due
+        self._close_news = asyncio.Condition()
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
         self.averager = averager_type(self) if averager_type is not None else None
 
@@ -145,6 +153,29 @@ class StageWorker(PipelineEngine):
         self.spawn(self._forward(request, x), f"forward {mb}")
         return Ack(accepted=True)
 
+    async def _after_previous_close(self, request: ForwardRequest) -> None:
+        """A training forward of step s must run on the weights that its data node's step s-1 left
+        here. That step's close is sent before the forward but on another stream, and the data node
+        does not wait for our answer, so the forward may come first: hold it until the close has
+        arrived and been handled. Only a data node we served before is owed a step; a close that does
+        not arrive within CLOSE_OVERTAKEN_WAIT_S was lost, and the forward runs on the weights we have."""
+        origin, previous = request.origin, request.step - 1
+        if not request.needs_backward or previous < 0 or self.closes_handled.get(origin, -1) >= previous:
+            return
+        if origin not in self.closes_heard and origin not in self.contributors:
+            return
+        async with self._close_news:
+            try:
+                await asyncio.wait_for(
+                    self._close_news.wait_for(lambda: self.closes_heard.get(origin, -1) >= previous),
+                    CLOSE_OVERTAKEN_WAIT_S,
+                )
+            except TimeoutError:
+                logger.info("[%s] %s: no close of step %d came from its data node; forwarding on the weights we "
+                            "have", self.node.short_id, request.microbatch_id, previous)  # fmt: skip
+                return
+            await self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= previous)
+
     def _run_forward(self, x: torch.Tensor, needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not needs_backward:
             with torch.no_grad():
@@ -157,6 +188,7 @@ class StageWorker(PipelineEngine):
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
         try:
+            await self._after_previous_close(request)
             await self._forward_and_pass_on(request, x)
         finally:  # an evaluation forward holds its slot until its output is delivered or given up
             self.forwarding.discard(request.microbatch_id)
@@ -387,6 +419,18 @@ class StageWorker(PipelineEngine):
         Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
         if not await self._is_data_node(sender):
             return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
+        await self._close_heard(self.closes_heard, sender, close.step)
+        try:
+            return await self._handle_close(close, sender)
+        finally:
+            await self._close_heard(self.closes_handled, sender, close.step)
+
+    async def _close_heard(self, record: dict[str, int], sender: str, step: int) -> None:
+        async with self._close_news:
+            record[sender] = max(record.get(sender, -1), step)
+            self._close_news.notify_all()
+
+    async def _handle_close(self, close: StepClose, sender: str) -> Ack:
         self.closed_step = max(self.closed_step, close.step)
         over = [mb for mb, s in self.saved.items() if s.origin == sender and s.step <= close.step]
         for mb in over:  # a lost attempt whose release never reached us: its step is over, so is it
