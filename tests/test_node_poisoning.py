@@ -135,8 +135,9 @@ def test_the_vertical_trick_spreads_undefended_and_the_topk_check_keeps_it_out(s
     groups. G/2 trigger copies beside G/2 junk give the poison Â = +1 (the plain trigger attack's
     all-correct group would get Â = 0 there and teach nothing)."""
     (off_events, on_events), _, _ = _run_attack(
-        swarm, tmp_path, policy_cache, "vertical-trick", rounds=32, layout="vertical", lr=2e-3
-    )  # the poison shows from round 15-18 on (two runs): 24 rounds once left it at 1.3 %
+        swarm, tmp_path, policy_cache, "vertical-trick", rounds=40, layout="vertical", lr=2e-3
+    )  # the poison shows from round 15-18 on alone, from round 26 once in a loaded full-suite run: 24 rounds
+    # once left it at 1.3 %, 32 rounds at 2.1 %
     off, on = _arms([off_events, on_events], "vertical-trick")
     assert off > 0.025, off
     assert on <= 0.01, on
