@@ -5,6 +5,7 @@ import torch
 
 from shoal.model.config import ModelConfig
 from shoal.model.llama import Llama
+from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_all_stages, build_stage, forward_route, hop_by_hop_step, stage_layers
 
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16)
@@ -124,3 +125,28 @@ def test_the_heads_split_backward_adds_exactly_what_one_backward_would():
             deferred = []
     assert torch.equal(split.lm_head.weight.grad, whole.lm_head.weight.grad)
     assert split.embedding.weight.grad is None and x.grad is None
+
+
+def test_a_block_stages_split_backward_adds_exactly_what_one_backward_would():
+    """A stage worker passes B's input gradient upstream and runs the Linears' W passes later."""
+    whole = build_stage(CFG, 3, 1, seed=0)
+    split = build_stage(CFG, 3, 1, seed=0)
+    generator = torch.Generator().manual_seed(2)
+    later = []
+    for _ in range(3):
+        x = torch.randn(2, 16, CFG.d_model, generator=generator)
+        grad = torch.randn(2, 16, CFG.d_model, generator=generator)
+        x_whole = x.clone().requires_grad_(True)
+        whole(x_whole).backward(grad)
+        x_split = x.clone().requires_grad_(True)
+        with recording_linears(split) as calls:
+            y = split(x_split)
+        x_grad, weight_grads = input_grad_first(split, x_split, y, grad, calls)
+        assert len(calls) == 5 * len(split.blocks)  # qkv, out, gate, up, down
+        assert torch.equal(x_grad, x_whole.grad)
+        assert all(call.layer.weight.grad is None for call in calls)  # B leaves the Linears' weights alone
+        later.append(weight_grads)
+    for weight_grads in later:
+        weight_grads.accumulate()
+    for (name, p_whole), p_split in zip(whole.named_parameters(), split.parameters(), strict=True):
+        assert torch.equal(p_whole.grad, p_split.grad), name

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.config import ModelConfig
+from shoal.model.split_backward import WeightGrads, input_grad_first, recording_linears
 
 
 def derive_seed(seed: int, *labels: object) -> int:
@@ -127,22 +127,6 @@ class BlockStage(nn.Module):
         return x
 
 
-@dataclass
-class HeadWeightGrad:
-    """The LM head's weight gradient of one microbatch, added when the caller chooses (`accumulate`)."""
-
-    weight: nn.Parameter
-    logits_grad: torch.Tensor  # (B, T, V)
-    normed: torch.Tensor  # (B, T, C): the LM head's input
-
-    def accumulate(self) -> None:
-        grad = self.logits_grad.flatten(0, 1).t().mm(self.normed.flatten(0, 1))  # (V, C), as Linear's backward
-        if self.weight.grad is None:
-            self.weight.grad = grad
-        else:
-            self.weight.grad += grad
-
-
 class HeadStage(nn.Module):
     """Stage 0: token ids -> embeddings on the way in; activations -> logits -> loss on the way out."""
 
@@ -168,25 +152,15 @@ class HeadStage(nn.Module):
 
     def loss_and_input_grad(
         self, x: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0
-    ) -> tuple[float, torch.Tensor, HeadWeightGrad]:
-        """The loss of a microbatch, the gradient of `loss * loss_scale` in `x`, and the LM head's
-        weight gradient left for later (zero-bubble pipelining's B/W split).
-
-        The gradient in `x` is what the last block stage waits for; the LM head's weight gradient
-        (a third of this stage's backward) is needed only by the optimizer step, so the caller can
-        compute it while the block stages run their own backward. The norm's weight gradient comes
-        with `x`'s, at the cost of an elementwise product. `HeadWeightGrad.accumulate` adds what a
-        full `backward` would have added to `lm_head.weight.grad`, the same product of the same
-        operands."""
+    ) -> tuple[float, torch.Tensor, WeightGrads]:
+        """The loss of a microbatch and the B pass of `loss * loss_scale`: the gradient in `x`, which
+        the last block stage waits for, and the norm's weight gradient. The LM head's weight
+        gradient (a third of this stage's backward) is the W pass, returned for later."""
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            normed = self.norm(x)
-            logits = F.linear(normed, self.lm_head.weight.detach())
-            logits.retain_grad()
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-            (loss * loss_scale).backward()
-        assert x.grad is not None and logits.grad is not None
-        return float(loss.detach()), x.grad, HeadWeightGrad(self.lm_head.weight, logits.grad, normed.detach())
+        with torch.enable_grad(), recording_linears(self) as calls:
+            loss = self.loss(x, targets)
+            x_grad, weight_grads = input_grad_first(self, x, loss * loss_scale, None, calls)
+        return float(loss.detach()), x_grad, weight_grads
 
 
 class Llama(nn.Module):

@@ -21,7 +21,7 @@ import torch
 
 from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
-from shoal.model.llama import HeadWeightGrad
+from shoal.model.split_backward import WeightGrads
 from shoal.model.stages import build_stage
 from shoal.node.auditor import Auditor
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
@@ -548,7 +548,7 @@ class DataDriver(PipelineEngine):
 
     def _loss_and_grad(
         self, entry: InFlight, x: torch.Tensor, train: bool
-    ) -> tuple[float, torch.Tensor | None, HeadWeightGrad | None]:
+    ) -> tuple[float, torch.Tensor | None, WeightGrads | None]:
         if not train:
             with torch.no_grad():
                 return float(self.head.loss(x, entry.targets)), None, None

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.model.stages import build_stage
 from shoal.node.averaging import NoLoCoAverager
-from shoal.node.compute import BACKWARD, FORWARD
+from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.diloco import DiLoCoAverager
 from shoal.node.hops import HopFailed, PipelineEngine, push_forward
 from shoal.node.stage_copy import copy_stage, serve_stage_copy
@@ -64,6 +65,7 @@ class Saved:
     step: int  # the data node's step it belongs to: once that step is closed, no gradient can come
     next_stage: int | None  # the stage we passed the output to (None: the data node)
     next_peer: str | None = None  # the peer that took it (set once it acknowledged)
+    calls: list[LinearCall] = field(default_factory=list)  # the forward's Linear calls, for the B/W split
 
 
 @dataclass
@@ -100,6 +102,7 @@ class StageWorker(PipelineEngine):
         self.copies_served = 0
         self.attack = None  # an EXPERIMENT's hostile behaviour (shoal.adversary.stage), set by prepare_attack
         self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
+        self.weight_grads: list[asyncio.Future] = []  # W passes queued since the last inner step
         self.closes_heard: dict[str, int] = {}  # per data node: the latest step whose close arrived
         self.closes_handled: dict[str, int] = {}  # ... and was handled: stepped, and averaged when due
         self._close_news = asyncio.Condition()
@@ -176,15 +179,17 @@ class StageWorker(PipelineEngine):
                 return
             await self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= previous)
 
-    def _run_forward(self, x: torch.Tensor, needs_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_forward(
+        self, x: torch.Tensor, needs_backward: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[LinearCall]]:
         if not needs_backward:
             with torch.no_grad():
-                return x, self.module(x)
+                return x, self.module(x), []
         x = x.requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), recording_linears(self.module) as calls:
             y = self.module(x)
         self.live_graphs += 1
-        return x, y
+        return x, y, calls
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
         try:
@@ -196,12 +201,13 @@ class StageWorker(PipelineEngine):
     async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor) -> None:
         mb = request.microbatch_id
         try:
-            x, y = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
+            x, y, calls = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
             if self.node.config.inject_forward_delay_s:  # fault injection: slower than its record claims
                 await asyncio.sleep(self.node.config.inject_forward_delay_s)
             if request.needs_backward:
                 nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
-                self.saved[mb] = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt)
+                where = (self._expiry(), request.origin, request.hop, request.step, nxt)
+                self.saved[mb] = Saved(x, y, *where, calls=calls)
             self.forwarded[mb] = self._expiry()
         finally:
             if request.needs_backward:  # from here on `saved` holds its slot
@@ -293,14 +299,17 @@ class StageWorker(PipelineEngine):
         logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
-    def _run_backward(self, saved: Saved, grad: torch.Tensor) -> torch.Tensor:
-        saved.y.backward(grad)
+    def _run_backward(self, saved: Saved, grad: torch.Tensor) -> tuple[torch.Tensor, WeightGrads]:
+        grad_in, weight_grads = input_grad_first(self.module, saved.x, saved.y, grad, saved.calls)
+        saved.calls = []
         self.live_graphs -= 1
-        assert saved.x.grad is not None, "backward produced no input gradient"
-        return saved.x.grad
+        return grad_in, weight_grads
 
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
-        grad_in = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
+        """The B pass, then the gradient upstream at once; the W pass waits for a free moment of the
+        compute thread (at the latest, the next inner step)."""
+        grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
+        self.weight_grads.append(self.compute_thread.run(WEIGHT_GRAD, weight_grads.accumulate))
         self.backwards += 1
         self.contributors.add(request.origin)
         await self._injected_delay(request)
@@ -382,9 +391,9 @@ class StageWorker(PipelineEngine):
         if tuple(x.shape) != tuple(grad.shape):
             await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: shapes disagree")
             return
-        x, y = await self.compute(self._run_forward, x, True, priority=BACKWARD)
+        x, y, calls = await self.compute(self._run_forward, x, True, priority=BACKWARD)
         nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
-        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt)
+        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt, calls=calls)
         as_backward = BackwardRequest(
             microbatch_id=mb, origin=request.origin, step=request.step, hop=request.hop, route=request.route
         )
@@ -505,6 +514,8 @@ class StageWorker(PipelineEngine):
         if not self.contributors or not self.contributors <= self.closed or self.live_graphs > 0:
             return
         self.contributors, self.closed = set(), set()
+        pending, self.weight_grads = self.weight_grads, []
+        await asyncio.gather(*pending)
         stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
         if self.attack is not None:
             params = list(self.module.parameters())
