@@ -306,10 +306,14 @@ class StageWorker(PipelineEngine):
         return grad_in, weight_grads
 
     async def _backward(self, request: BackwardRequest, saved: Saved, grad: torch.Tensor) -> None:
-        """The B pass, then the gradient upstream at once; the W pass waits for a free moment of the
-        compute thread (at the latest, the next inner step)."""
+        """The B pass, then the gradient upstream at once. A hop after the first has a stage upstream
+        waiting for that gradient, and its W pass waits for a free moment of the compute thread (at the
+        latest, the next inner step). The first hop passes its gradient to the data node, which only
+        adds it to the embedding: its W pass comes next, or W passes would pile up at the end of the
+        step and hold back the next step's first forward, which waits for our inner step."""
         grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
-        self.weight_grads.append(self.compute_thread.run(WEIGHT_GRAD, weight_grads.accumulate))
+        w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
+        self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
         self.backwards += 1
         self.contributors.add(request.origin)
         await self._injected_delay(request)
