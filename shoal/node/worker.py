@@ -432,13 +432,13 @@ class StageWorker(PipelineEngine):
         Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
         if not await self._is_data_node(sender):
             return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
-        await self._close_heard(self.closes_heard, sender, close.step)
+        await self._record_close(self.closes_heard, sender, close.step)
         try:
             return await self._handle_close(close, sender)
         finally:
-            await self._close_heard(self.closes_handled, sender, close.step)
+            await self._record_close(self.closes_handled, sender, close.step)
 
-    async def _close_heard(self, record: dict[str, int], sender: str, step: int) -> None:
+    async def _record_close(self, record: dict[str, int], sender: str, step: int) -> None:
         async with self._close_news:
             record[sender] = max(record.get(sender, -1), step)
             self._close_news.notify_all()
