@@ -26,7 +26,7 @@ class LinearCall:
 
 @contextmanager
 def recording_linears(module: nn.Module) -> Iterator[list[LinearCall]]:
-    """Every `nn.Linear` call inside `module` while the block runs, in call order."""
+    """Every `nn.Linear` call inside `module` while the `with` block runs, in call order."""
     calls: list[LinearCall] = []
 
     def record(layer: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

@@ -3,8 +3,8 @@
 Torch releases the GIL in its kernels, so the event loop keeps serving heartbeats and RPCs while
 a stage computes. Work is taken by priority: a gradient waiting to flow back releases memory and
 unblocks upstream peers sooner than one more forward would (the 1F1B idea), so backward goes first.
-Weight gradients that nobody downstream waits for (zero-bubble pipelining's W pass) come after
-both, in the time a stage would otherwise sit idle waiting for the pipeline to drain.
+Weight gradients, which no other peer waits for (zero-bubble pipelining's W pass), come after
+both, in the time a stage would otherwise sit idle while the pipeline drains.
 """
 
 from __future__ import annotations
