@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from shoal.config import ConfigError, bundled_runs, load_run_config, parse_run_config
+from shoal.node.config import NodeConfig
 
 TINY = load_run_config("tiny")
 
@@ -99,3 +100,16 @@ def test_cli_refuses_missing_config_file(tmp_path):
     )
     assert result.returncode == 2
     assert "cannot read run config" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_node_uses_torchs_default_threads_unless_told_and_refuses_zero():
+    assert NodeConfig().threads is None  # torch's default: every core the process may use
+    assert NodeConfig(threads=3).threads == 3
+    with pytest.raises(ConfigError, match="--threads"):
+        NodeConfig(threads=0)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "node", "--threads", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--threads" in lines[0] and "Traceback" not in result.stderr, result.stderr

@@ -139,6 +139,8 @@ class LocalSwarm:
     def start_node(self, initial_peers: list[str], *extra: str, wait: bool = True, name: str = "node") -> Peer:
         index = len(self.peers)
         ready = self.workdir / f"ready-{index:02d}.json"
+        if "--threads" not in extra:  # every process of a local swarm shares this machine's cores
+            extra = ("--threads", "1", *extra)
         peer = self._spawn(
             ["node", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra],
             name,

@@ -125,7 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="fault injection for tests: a data node that sends each step close this much later",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for this node")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for this node (default: every core it may use; give 1 when nodes share a machine)",
+    )
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
     parser.add_argument(
@@ -257,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     from shoal.node.daemon import Node
     from shoal.node.runtime import run_daemon
 
-    torch.set_num_threads(config.threads)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     if not config.initial_peers:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
 

@@ -29,7 +29,7 @@ class NodeConfig:
     paths: str = "full"  # data nodes: "full" (every block stage in order) or "skippipe" (partial paths)
     skip: float = 0.33  # SkipPipe: share of block stages a path skips
     max_swaps: int = 0  # SkipPipe: adjacent-stage swaps a path may make
-    threads: int = 1
+    threads: int | None = None  # torch threads; None: torch's default, every core this process may use
     max_inflight: int | None = None  # None: derived from free memory
     record_ttl_s: float = 30.0
     rpc_timeout_s: float = 30.0
@@ -75,7 +75,7 @@ class NodeConfig:
             raise ConfigError("--skip", f"must be in [0, 1), got {self.skip}")
         if self.max_swaps < 0:
             raise ConfigError("--max-swaps", "must be zero or more")
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ConfigError("--threads", "must be at least 1")
         if self.inject_forward_delay_s < 0:
             raise ConfigError("--inject-forward-delay", "must be zero or more")
