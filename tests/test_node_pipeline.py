@@ -12,6 +12,7 @@ from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.model.data import load_token_splits
+from shoal.node.hops import step_close_patience_s
 from shoal.node.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
@@ -53,6 +54,33 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     assert done["microbatches_completed"] + done["microbatches_abandoned"] == done["microbatches_injected"]
     assert done["microbatches_abandoned"] == 0
     assert swarm_losses[-1] < swarm_losses[0]
+
+
+def test_a_close_stuck_in_a_worker_holds_the_next_steps_forwards_no_longer_than_the_data_nodes_patience(
+    swarm, tmp_path
+):
+    """A worker holds a step's forwards until it has handled the step close before. If that handling
+    hangs (an outer step stuck in its all-reduce did, for good), the data node gives up on the answer
+    after its patience, and so must the worker: its held forwards go ahead, and nothing is lost."""
+    exchange_timeout_s, stall_s = 0.5, 45.0
+    patience_s = step_close_patience_s(exchange_timeout_s)
+    run_file = write_tiny_run(
+        tmp_path, **{"train.steps": 6, "averaging.mode": "none", "averaging.exchange_timeout_s": exchange_timeout_s}
+    )
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stuck = swarm.start_node([entry], "--role", "worker", "--stage", "1", "--inject-close-stall", f"2:{stall_s}")
+    swarm.start_node([entry], "--role", "worker", "--stage", "2")
+    progress = tmp_path / "progress.jsonl"
+    data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
+
+    step_s = {e["step"]: e["step_s"] for e in progress_events(progress) if e["event"] == "step"}
+    assert sorted(step_s) == list(range(6))
+    assert patience_s - 3 < step_s[3] < patience_s + 10 < stall_s, step_s  # held, then let go at the patience
+    assert "the close of step 2 is still being handled" in stuck.log()
+    assert "step 2 close not taken" in data.log()
+    assert done["microbatches_completed"] == done["microbatches_injected"]
+    assert done["microbatches_abandoned"] == 0
 
 
 def _bad_cases(run) -> dict[str, tuple[TensorHeader, list[bytes]]]:

@@ -112,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fault injection for tests: hold the gradients of STEP that long before passing them upstream",
     )
     parser.add_argument(
+        "--inject-close-stall",
+        default=None,
+        metavar="STEP:SECONDS",
+        help="fault injection for tests: a worker that takes that long to handle the data node's close of STEP",
+    )
+    parser.add_argument(
         "--inject-forward-delay",
         type=float,
         default=0.0,
@@ -193,7 +199,7 @@ def _shard(text: str) -> tuple[int, int]:
     return k, n
 
 
-def _delay(text: str | None) -> tuple[int, float] | None:
+def _delay(text: str | None, flag: str = "--inject-upstream-delay") -> tuple[int, float] | None:
     from shoal.config import ConfigError
 
     if text is None:
@@ -202,7 +208,7 @@ def _delay(text: str | None) -> tuple[int, float] | None:
         step, seconds = text.split(":")
         return int(step), float(seconds)
     except ValueError:
-        raise ConfigError("--inject-upstream-delay", f"expected STEP:SECONDS, got {text!r}") from None
+        raise ConfigError(flag, f"expected STEP:SECONDS, got {text!r}") from None
 
 
 def node_config(args: argparse.Namespace):
@@ -241,6 +247,7 @@ def node_config(args: argparse.Namespace):
         skip=args.skip,
         max_swaps=args.max_swaps,
         inject_upstream_delay=_delay(args.inject_upstream_delay),
+        inject_close_stall=_delay(args.inject_close_stall, "--inject-close-stall"),
         inject_forward_delay_s=args.inject_forward_delay,
         inject_close_delay_s=args.inject_close_delay,
         policy_width=args.policy_width,

@@ -51,6 +51,9 @@ class NodeConfig:
     # fault injection for tests: a data node whose step closes reach the workers this much later, after
     # the next step's forwards
     inject_close_delay_s: float = 0.0
+    # fault injection for tests: (step, seconds) a worker spends handling that step's close, as an outer
+    # step stuck in its all-reduce would
+    inject_close_stall: tuple[int, float] | None = None
     # GRPO rollout workers: this node's own policy (its model id goes into the node record)
     policy_width: int = 48
     policy_depth: int = 2

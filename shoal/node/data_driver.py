@@ -25,7 +25,7 @@ from shoal.model.split_backward import WeightGrads
 from shoal.model.stages import build_stage
 from shoal.node.auditor import Auditor
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
-from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward
+from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward, step_close_patience_s
 from shoal.node.ledger import MicrobatchLedger
 from shoal.node.transport import FramedStream, call
 from shoal.planning.observed import Trip
@@ -82,7 +82,6 @@ COMPLETED = Outcome("completed")
 MAX_ATTEMPTS = 8
 TRIPS_KEPT = 256  # the latest forward trips the observed hop times are fitted to
 WAIT_REPORT_S = 10.0
-STEP_CLOSE_TIMEOUT_S = 10.0  # on top of the run's averaging exchange timeout: a close may carry an outer step
 
 
 MAX_PROBES = 4096
@@ -307,7 +306,7 @@ class DataDriver(PipelineEngine):
             if self.node.config.inject_close_delay_s:  # fault injection: the next step's forwards overtake it
                 await asyncio.sleep(self.node.config.inject_close_delay_s)
             try:
-                timeout_s = STEP_CLOSE_TIMEOUT_S + 2 * self.run.averaging.exchange_timeout_s
+                timeout_s = step_close_patience_s(self.run.averaging.exchange_timeout_s)
                 await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=timeout_s)
             except Exception as e:
                 logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)

@@ -17,6 +17,8 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +114,7 @@ class DiLoCoAverager:
             target_group_size=group,
             min_group_size=2,
             min_matchmaking_time=MIN_MATCHMAKING_S,
+            allreduce_timeout=self.timeout_s,
             start=False,
         )
 
@@ -163,23 +166,47 @@ class DiLoCoAverager:
         return not any(n.peer_id != self.node.peer_id for n in view.replicas(self.worker.stage))
 
     def _all_reduce(self, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Put our Δ in, average with whoever matched, and read the mean (None if no group formed)."""
+        """Put our Δ in, average with whoever matched, and read the mean (None if no group formed).
+
+        Bounded throughout: an all-reduce that outlived our wait for it keeps the averager's tensors
+        locked until hivemind's own timeout ends it, and waiting on that lock without a bound once held
+        a replica's outer step, and with it the whole pipeline, for good."""
         if self.averager is None:
             return None
-        with self.averager.get_tensors() as tensors:
+        with self._tensors() as tensors:
+            if tensors is None:
+                return None
             for slot, value in zip(tensors, delta, strict=True):
                 slot.copy_(value)
+        control = None
         try:
             control = self.averager.step(timeout=self.timeout_s, wait=False)
             gathered = control.result(timeout=self.timeout_s + MIN_MATCHMAKING_S + 5)
         except Exception as e:
             logger.info("[%s] all-reduce failed: %r", self.node.short_id, e)
+            if control is not None:
+                with suppress(Exception):  # it may have ended on its own meanwhile
+                    control.cancel()
             return None
         if not gathered:
             return None
         self.group_sizes.append(len(gathered))
-        with self.averager.get_tensors() as tensors:
-            return [t.detach().clone() for t in tensors]
+        with self._tensors() as tensors:
+            return None if tensors is None else [t.detach().clone() for t in tensors]
+
+    @contextmanager
+    def _tensors(self) -> Iterator[Sequence[torch.Tensor] | None]:
+        """The averager's tensors, or None when an earlier all-reduce still holds them past our timeout."""
+        assert self.averager is not None
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=self.timeout_s):
+            logger.info("[%s] the averager's tensors are still held by an earlier all-reduce", self.node.short_id)
+            yield None
+            return
+        try:
+            yield self.averager._averaged_tensors
+        finally:
+            lock.release()
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)

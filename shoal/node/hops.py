@@ -33,6 +33,15 @@ SEND_RETRIES = 2  # a failed stream is retried on the same peer this many times 
 RETRY_BACKOFF_S = 0.25
 STAGE_POLL_S = 0.5
 VIEW_READ_MIN_S = 0.5  # an unknown peer makes a handler read the view afresh, at most this often
+STEP_CLOSE_TIMEOUT_S = 10.0  # on top of twice the run's averaging exchange timeout: a close may carry an outer step
+
+
+def step_close_patience_s(exchange_timeout_s: float) -> float:
+    """How long handling a step close may take: a data node waits this long for a worker's answer, and
+    a worker holds the next step's forwards no longer than this while it handles the close itself."""
+    return STEP_CLOSE_TIMEOUT_S + 2 * exchange_timeout_s
+
+
 # Activations and gradients a peer sends are refused beyond this magnitude (float16's range, so the
 # bound is the same whatever the wire dtype): finite but huge values would overflow the first norm.
 WIRE_MAX_ABS = 65504.0

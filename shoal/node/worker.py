@@ -25,7 +25,7 @@ from shoal.model.stages import build_stage
 from shoal.node.averaging import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.diloco import DiLoCoAverager
-from shoal.node.hops import HopFailed, PipelineEngine, push_forward
+from shoal.node.hops import HopFailed, PipelineEngine, push_forward, step_close_patience_s
 from shoal.node.stage_copy import copy_stage, serve_stage_copy
 from shoal.node.transport import FramedStream, call
 from shoal.planning.swarm_view import ROLE_DATA
@@ -161,7 +161,9 @@ class StageWorker(PipelineEngine):
         here. That step's close is sent before the forward but on another stream, and the data node
         does not wait for our answer, so the forward may come first: hold it until the close has
         arrived and been handled. Only a data node we served before is owed a step; a close that does
-        not arrive within CLOSE_OVERTAKEN_WAIT_S was lost, and the forward runs on the weights we have."""
+        not arrive within CLOSE_OVERTAKEN_WAIT_S was lost, and the forward runs on the weights we have.
+        Handling an arrived close is waited for as long as its data node waits for our answer: past that,
+        it has given up on us (an outer step stuck in an all-reduce, say), and so do we."""
         origin, previous = request.origin, request.step - 1
         if not request.needs_backward or previous < 0 or self.closes_handled.get(origin, -1) >= previous:
             return
@@ -177,7 +179,15 @@ class StageWorker(PipelineEngine):
                 logger.info("[%s] %s: no close of step %d came from its data node; forwarding on the weights we "
                             "have", self.node.short_id, request.microbatch_id, previous)  # fmt: skip
                 return
-            await self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= previous)
+            patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
+            try:
+                await asyncio.wait_for(
+                    self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= previous), patience_s
+                )
+            except TimeoutError:
+                logger.warning("[%s] %s: the close of step %d is still being handled after %.0f s; forwarding "
+                               "on the weights we have", self.node.short_id, request.microbatch_id, previous,
+                               patience_s)  # fmt: skip
 
     def _run_forward(
         self, x: torch.Tensor, needs_backward: bool
@@ -434,6 +444,11 @@ class StageWorker(PipelineEngine):
             return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
         await self._record_close(self.closes_heard, sender, close.step)
         try:
+            stall = self.node.config.inject_close_stall
+            if stall is not None and stall[0] == close.step:
+                logger.warning("[%s] fault injection: handling the close of step %d takes %.0f s more",
+                               self.node.short_id, close.step, stall[1])  # fmt: skip
+                await asyncio.sleep(stall[1])
             return await self._handle_close(close, sender)
         finally:
             await self._record_close(self.closes_handled, sender, close.step)
