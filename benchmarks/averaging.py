@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "averaging.json"
 HEADER = (
     "| replicas per stage | averaging | val loss | final loss | worst rise | pair / local outer steps | exchange "
-    "| bytes each way | distance | abandoned |\n|" + "---|" * 10
+    "| bytes each way | distance | tokens/s | abandoned |\n|" + "---|" * 11
 )
 
 
@@ -113,7 +113,8 @@ def markdown(result: dict) -> str:
         rows.append(
             f"| {r['replicas_per_stage']} | {r['mode']} | {r['val_loss']:.3f} | {r['final_loss']:.3f} | "
             f"{r['worst_rise_after_30']:.2f} | {r['pair_steps']} / {r['local_steps']} | {exchange} | "
-            f"{r['bytes_per_exchange'] / 2**20:.2f} MiB | {'; '.join(first_last) or '-'} | {r['abandoned']} |"
+            f"{r['bytes_per_exchange'] / 2**20:.2f} MiB | {'; '.join(first_last) or '-'} | "
+            f"{r['tokens_per_s']:,.0f} | {r['abandoned']} |"
         )
     return f"""# Averaging: NoLoCo against DiLoCo's all-reduce and against replicas that never share weights
 
@@ -123,7 +124,8 @@ H = {result["inner_steps"]}; one run each, on 2 shared cores). "worst rise" is t
 replica's L2 distance to its partner just before a pair update, first and last; "exchange" is the
 median wall time of one pair exchange (NoLoCo) or one all-reduce round (DiLoCo, hivemind's
 `DecentralizedAverager`, matchmaking included), waiting for the others included; "pair / local"
-counts pair updates or all-reduce rounds, and local fallbacks, over all replicas.
+counts pair updates or all-reduce rounds, and local fallbacks, over all replicas; "tokens/s" is the
+data node's over the whole run, outer steps included.
 
 {HEADER}
 {chr(10).join(rows)}

@@ -72,9 +72,8 @@ class DiLoCoAverager:
         work, done in a thread)."""
         others = await self._seniors_ready()
         initial = [m for n in others for m in n.averager_maddrs]
-        group = max(2, len(others) + 1)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._create, initial, group)
+        await loop.run_in_executor(None, self._create, initial)
         # The averager is a process; hivemind starts it from the main thread and sets SIGINT to be
         # ignored there while it does, so start it here and give the daemon its handler back.
         previous = signal.getsignal(signal.SIGINT)
@@ -83,8 +82,8 @@ class DiLoCoAverager:
         finally:
             signal.signal(signal.SIGINT, previous)
         await loop.run_in_executor(None, self.averager.wait_until_ready, STARTUP_TIMEOUT_S)
-        logger.info("[%s] DiLoCo averager for stage %d up (group of %d, joined %d addresses)",
-                    self.node.short_id, self.worker.stage, group, len(initial))  # fmt: skip
+        logger.info("[%s] DiLoCo averager for stage %d up (joined %d addresses)",
+                    self.node.short_id, self.worker.stage, len(initial))  # fmt: skip
 
     async def _seniors_ready(self) -> list:
         """The other replicas of our stage, once every more senior one advertises its averaging DHT
@@ -101,7 +100,11 @@ class DiLoCoAverager:
                 return others
             await asyncio.sleep(0.5)
 
-    def _create(self, initial_peers: list[str], group: int) -> None:
+    def _create(self, initial_peers: list[str]) -> None:
+        """No target group size: every replica that comes within the matchmaking time is averaged with.
+        A target counted from the replicas each one saw at its start differed between replicas (the
+        first saw none), and hivemind fails an all-reduce whose group outgrows any member's target:
+        with 4 replicas, 45 of 80 outer steps fell back to a local step."""
         from hivemind.averaging import DecentralizedAverager
         from hivemind.dht import DHT
 
@@ -111,7 +114,7 @@ class DiLoCoAverager:
             [torch.zeros_like(p) for p in self.state.phi],
             dht=self.dht,
             prefix=f"shoal_{self.node.run.run_id}_stage{self.worker.stage}",
-            target_group_size=group,
+            target_group_size=None,
             min_group_size=2,
             min_matchmaking_time=MIN_MATCHMAKING_S,
             allreduce_timeout=self.timeout_s,
