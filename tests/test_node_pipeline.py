@@ -61,24 +61,28 @@ def test_a_close_stuck_in_a_worker_holds_the_next_steps_forwards_no_longer_than_
 ):
     """A worker holds a step's forwards until it has handled the step close before. If that handling
     hangs (an outer step stuck in its all-reduce did, for good), the data node gives up on the answer
-    after its patience, and so must the worker: its held forwards go ahead, and nothing is lost."""
-    exchange_timeout_s, stall_s = 0.5, 45.0
+    after its patience, and so must the worker: its held forwards go ahead, and nothing is lost. When
+    the stuck close ends, later closes have been handled: it is stale and must not step again."""
+    exchange_timeout_s, stall_s, steps = 0.5, 22.0, 80
     patience_s = step_close_patience_s(exchange_timeout_s)
     run_file = write_tiny_run(
-        tmp_path, **{"train.steps": 6, "averaging.mode": "none", "averaging.exchange_timeout_s": exchange_timeout_s}
+        tmp_path,
+        **{"train.steps": steps, "averaging.mode": "none", "averaging.exchange_timeout_s": exchange_timeout_s},
     )
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stuck = swarm.start_node([entry], "--role", "worker", "--stage", "1", "--inject-close-stall", f"2:{stall_s}")
     swarm.start_node([entry], "--role", "worker", "--stage", "2")
     progress = tmp_path / "progress.jsonl"
-    data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    # closes 0.2 s late: each step waits for its close, so the stuck close ends while training goes on
+    data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress), "--inject-close-delay", "0.2")
     done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
 
     step_s = {e["step"]: e["step_s"] for e in progress_events(progress) if e["event"] == "step"}
-    assert sorted(step_s) == list(range(6))
+    assert sorted(step_s) == list(range(steps))
     assert patience_s - 3 < step_s[3] < patience_s + 10 < stall_s, step_s  # held, then let go at the patience
     assert "the close of step 2 is still being handled" in stuck.log()
     assert "step 2 close not taken" in data.log()
+    assert "the close of step 2 comes after that of step" in stuck.log()  # it ended mid-run, and stepped nothing
     assert done["microbatches_completed"] == done["microbatches_injected"]
     assert done["microbatches_abandoned"] == 0
 

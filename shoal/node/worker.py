@@ -449,6 +449,10 @@ class StageWorker(PipelineEngine):
                 logger.warning("[%s] fault injection: handling the close of step %d takes %.0f s more",
                                self.node.short_id, close.step, stall[1])  # fmt: skip
                 await asyncio.sleep(stall[1])
+            if close.step < self.closes_handled.get(sender, -1):  # the hold gave up on it, and a later one came
+                logger.info("[%s] the close of step %d comes after that of step %d: stale, nothing to do",
+                            self.node.short_id, close.step, self.closes_handled[sender])  # fmt: skip
+                return Ack(accepted=True)
             return await self._handle_close(close, sender)
         finally:
             await self._record_close(self.closes_handled, sender, close.step)
