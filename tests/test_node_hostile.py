@@ -1,7 +1,7 @@
 """Hostile stage replicas in real daemons, defenses off and on (docs/security.md).
 
 One worker of stage 1 is started with `--experiment-adversary ATTACK` among honest replicas (three in
-all; four for the backdoor, so that its refusals reach a majority), NoLoCo pairs every 2 of 12 steps,
+all; four for the backdoor, so that its refusals reach a majority; two for the undefended scaled one), NoLoCo pairs every 2 of 12 steps,
 and the run's `[defense]` either off (`robust_outer = false`, `audit_rate = 0`) or on with an audit at
 every step (tests/helpers/hostile.py has the setting). Undefended, each attack visibly succeeds: the
 garbage replica's hops and slow weights ruin the loss, the scaled one's pseudo-gradient throws its
@@ -93,7 +93,11 @@ def test_a_garbage_replica_ruins_the_loss_unless_audits_exclude_it(swarm, tmp_pa
 
 @pytest.mark.parametrize("defended", ARMS)
 def test_a_scaled_replica_throws_its_partners_weights_unless_refused(swarm, tmp_path, defended):
-    run = run_hostile(swarm, tmp_path, "scaled", defended)
+    # Undefended, its one honest partner meets it at every outer step, the first ones included, where
+    # Δ × 20 throws farthest (4.3-10.3 against a yardstick of 2.5, four runs). Among three replicas
+    # NoLoCo's random pairs once kept it apart from both until the late epochs, whose Δ is a tenth of the
+    # first ones': the two it met then threw 1.2 and 2.0, within the yardstick
+    run = run_hostile(swarm, tmp_path, "scaled", defended, replicas=3 if defended else 2)
     print("val loss", run.done["val_loss"], "audits", run.done["audit"], "taken", taken(run, True), taken(run, False))
     if not defended:
         assert partners_thrown(run)  # Δ × 20: its fast weights, as its partners take them, are far off
