@@ -1,14 +1,14 @@
 """Hostile stage replicas in real daemons, defenses off and on (docs/security.md).
 
 One worker of stage 1 is started with `--experiment-adversary ATTACK` among honest replicas (three in
-all; four for the backdoor, so that its refusals reach a majority; two for the undefended scaled one), NoLoCo pairs every 2 of 12 steps,
-and the run's `[defense]` either off (`robust_outer = false`, `audit_rate = 0`) or on with an audit at
-every step (tests/helpers/hostile.py has the setting). Undefended, each attack visibly succeeds: the
-garbage replica's hops and slow weights ruin the loss, the scaled one's pseudo-gradient throws its
-NoLoCo partner's weights many times an honest outer step, the backdoor spreads to the honest replicas
-and the swarm's model answers the trigger. Defended, honest replicas refuse the attacker as partner,
-the data node excludes it from its routes (and says so in `shoal status`), and the attack's effect
-stays out; in a clean run nobody is refused or excluded.
+all; four for the backdoor, so that its refusals reach a majority; two for the undefended scaled one),
+NoLoCo pairs every 2 of 12 steps, and the run's `[defense]` either off (`robust_outer = false`,
+`audit_rate = 0`) or on with an audit at every step (tests/helpers/hostile.py has the setting).
+Undefended, each attack visibly succeeds: the garbage replica's hops and slow weights ruin the loss, the
+scaled one's pseudo-gradient throws its NoLoCo partner's weights many times an honest outer step, the
+backdoor spreads to the honest replicas and the swarm's model answers the trigger. Defended, honest
+replicas refuse the attacker as partner, the data node excludes it from its routes (and says so in
+`shoal status`), and the attack's effect stays out; in a clean run nobody is refused or excluded.
 
 All run in the post-training setting (init std 0.2, lr 3e-3; tests/helpers/hostile.py): honest
 replicas stay close there (audit spreads 0.06-0.63 output sizes, partners 0.2-0.9 apart), so garbage
