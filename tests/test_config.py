@@ -113,3 +113,9 @@ def test_a_node_uses_torchs_default_threads_unless_told_and_refuses_zero():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--threads" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_node_refuses_an_exit_timeout_that_is_not_positive():
+    assert NodeConfig().exit_timeout_s == 60.0
+    with pytest.raises(ConfigError, match="--exit-timeout"):
+        NodeConfig(exit_timeout_s=0)

@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--inject-close-stall",
         default=None,
         metavar="STEP:SECONDS",
-        help="fault injection for tests: a worker that takes that long to handle the data node's close of STEP",
+        help="fault injection for tests: a worker whose handling of the data node's close of STEP is blocked "
+        "that long in a thread",
     )
     parser.add_argument(
         "--inject-forward-delay",
@@ -139,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-inflight", type=int, default=None, help="microbatches to hold activations for")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a record lives without heartbeat")
+    parser.add_argument(
+        "--exit-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="after SIGTERM or Ctrl-C, exit by then even if the clean shutdown has not finished (status 1)",
+    )
     parser.add_argument(
         "--microbatch-timeout",
         type=float,
@@ -233,6 +241,7 @@ def node_config(args: argparse.Namespace):
         max_inflight=args.max_inflight,
         record_ttl_s=args.record_ttl,
         microbatch_timeout_s=args.microbatch_timeout,
+        exit_timeout_s=args.exit_timeout,
         stage_wait_s=args.stage_wait,
         data_shard=shard,
         data_shards=shards,
@@ -281,4 +290,4 @@ def run(args: argparse.Namespace) -> int:
         if node.metrics is not None:
             print(f"metrics on {node.metrics.url}", flush=True)
 
-    return run_daemon(lambda: Node.create(config), announce)
+    return run_daemon(lambda: Node.create(config), announce, config.exit_timeout_s)

@@ -34,6 +34,7 @@ class NodeConfig:
     record_ttl_s: float = 30.0
     rpc_timeout_s: float = 30.0
     drain_timeout_s: float = 5.0
+    exit_timeout_s: float = 60.0  # after a stop signal, exit by then even if the shutdown is stuck (runtime.py)
     microbatch_timeout_s: float = 60.0  # a data node re-sends a microbatch that has not come back by then
     stage_wait_s: float = 120.0  # how long to wait for a stage with no live replica before abandoning (stage_lost)
     data_shard: int = 0  # this data node's shard of the training windows, of `data_shards`
@@ -51,8 +52,8 @@ class NodeConfig:
     # fault injection for tests: a data node whose step closes reach the workers this much later, after
     # the next step's forwards
     inject_close_delay_s: float = 0.0
-    # fault injection for tests: (step, seconds) a worker spends handling that step's close, as an outer
-    # step stuck in its all-reduce would
+    # fault injection for tests: (step, seconds) a worker's handling of that step's close is blocked in a
+    # thread, as an outer step stuck in its all-reduce's lock was
     inject_close_stall: tuple[int, float] | None = None
     # GRPO rollout workers: this node's own policy (its model id goes into the node record)
     policy_width: int = 48
@@ -94,6 +95,8 @@ class NodeConfig:
             raise ConfigError("--data-shard", f"must be K/N with 0 <= K < N, got {self.data_shard}/{self.data_shards}")
         if self.microbatch_timeout_s <= 0:
             raise ConfigError("--microbatch-timeout", "must be positive")
+        if not self.exit_timeout_s > 0:
+            raise ConfigError("--exit-timeout", "must be positive")
         if self.stage_wait_s < 0:
             raise ConfigError("--stage-wait", "must be zero or more seconds")
         if not (8 <= self.policy_width <= 1024):

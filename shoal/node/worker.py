@@ -446,9 +446,9 @@ class StageWorker(PipelineEngine):
         try:
             stall = self.node.config.inject_close_stall
             if stall is not None and stall[0] == close.step:
-                logger.warning("[%s] fault injection: handling the close of step %d takes %.0f s more",
+                logger.warning("[%s] fault injection: handling the close of step %d is blocked %.0f s in a thread",
                                self.node.short_id, close.step, stall[1])  # fmt: skip
-                await asyncio.sleep(stall[1])
+                await asyncio.get_running_loop().run_in_executor(None, time.sleep, stall[1])
             if close.step < self.closes_handled.get(sender, -1):  # the hold gave up on it, and a later one came
                 logger.info("[%s] the close of step %d comes after that of step %d: stale, nothing to do",
                             self.node.short_id, close.step, self.closes_handled[sender])  # fmt: skip
