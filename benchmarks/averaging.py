@@ -5,7 +5,10 @@
 
 For each replica count, the same run, steps, data and seed with `averaging.mode` none, noloco and
 diloco (α 0.3, the authors' DiLoCo momentum): a bootstrap peer, the workers and one data node, 1
-torch thread per process on 2 shared cores. Reported: validation and final loss at equal steps (and
+torch thread per process on 2 shared cores. Every arm routes the same way (`--routing`, default
+random, NoLoCo's): by default a daemon routes with GWTF unless it runs NoLoCo, and GWTF keeps one
+chain of replicas busy, so that a swarm without NoLoCo trains mostly one replica on full batches
+and the comparison would be of routing as much as of averaging. Reported: validation and final loss at equal steps (and
 so equal tokens), the largest rise of the 5-step moving average of the loss above its running
 minimum after step 30 (the spike a never-trained replica causes when routing first reaches it),
 each stage's replica distance before every pair update, and the wall time and bytes of one outer
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "averaging.json"
 HEADER = (
     "| replicas per stage | averaging | val loss | final loss | worst rise | pair / local outer steps | exchange "
-    "| bytes each way | distance | tokens/s | abandoned |\n|" + "---|" * 11
+    "| bytes each way | distance | tokens/s | busiest | abandoned |\n|" + "---|" * 12
 )
 
 
@@ -49,7 +52,12 @@ def worst_rise(losses: list[float], after_step: int = 30, window: int = 5) -> fl
     return worst
 
 
-def run_swarm(run_file: Path, workdir: Path, replicas: int, timeout_s: float) -> dict:
+def busiest_shares(forwards_by_stage: dict[int, list[int]]) -> dict[str, float]:
+    """Per block stage, the share of its forwards that its busiest replica ran (1/replicas: even)."""
+    return {str(s): round(max(f) / sum(f), 3) for s, f in sorted(forwards_by_stage.items()) if sum(f)}
+
+
+def run_swarm(run_file: Path, workdir: Path, replicas: int, routing: str, timeout_s: float) -> dict:
     run = load_run_config(str(run_file))
     swarm = LocalSwarm(workdir, log_level="INFO")
     stats = []
@@ -65,7 +73,8 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, timeout_s: float) ->
             swarm.wait_ready(worker)
         progress = workdir / "progress.jsonl"
         started = time.monotonic()
-        swarm.start_node([entry], "--role", "data", "--threads", "1", "--progress-file", str(progress))
+        swarm.start_node([entry], "--role", "data", "--threads", "1", "--routing", routing,
+                         "--progress-file", str(progress))  # fmt: skip
         done = wait_until(lambda: done_event(progress), timeout_s, "the data node to finish")
         wall_s = time.monotonic() - started
         for worker in workers:
@@ -77,14 +86,18 @@ def run_swarm(run_file: Path, workdir: Path, replicas: int, timeout_s: float) ->
     averaging = [e.get("averaging", {}) for e in engines]
     exchanges = [t for a in averaging for t in a.get("exchange_s", [])]
     by_stage: dict[int, list] = {}
+    forwards: dict[int, list[int]] = {}
     for index, path in enumerate(stats):
         if path.exists():
             engine = json.loads(path.read_text())["engine"]
             distances = engine.get("averaging", {}).get("replica_distance", [])
             by_stage.setdefault(1 + index // replicas, []).extend(distances)
+            forwards.setdefault(1 + index // replicas, []).append(engine["forwards"])
     return {
         "replicas_per_stage": replicas,
         "mode": run.averaging.mode,
+        "routing": routing,
+        "busiest_replica_share": busiest_shares(forwards),
         "steps": done["steps"],
         "val_loss": done["val_loss"],
         "final_loss": done["final_loss"],
@@ -114,18 +127,20 @@ def markdown(result: dict) -> str:
             f"| {r['replicas_per_stage']} | {r['mode']} | {r['val_loss']:.3f} | {r['final_loss']:.3f} | "
             f"{r['worst_rise_after_30']:.2f} | {r['pair_steps']} / {r['local_steps']} | {exchange} | "
             f"{r['bytes_per_exchange'] / 2**20:.2f} MiB | {'; '.join(first_last) or '-'} | "
-            f"{r['tokens_per_s']:,.0f} | {r['abandoned']} |"
+            f"{r['tokens_per_s']:,.0f} | "
+            f"{', '.join(f's{s}: {v:.2f}' for s, v in r['busiest_replica_share'].items()) or '-'} | {r['abandoned']} |"
         )
     return f"""# Averaging: NoLoCo against DiLoCo's all-reduce and against replicas that never share weights
 
 `{result["command"]}` ({result["steps"]} steps of the bundled `tiny` run per swarm, same data and seed,
-H = {result["inner_steps"]}; one run each, on 2 shared cores). "worst rise" is the largest rise of the
-5-step moving average of the training loss above its running minimum after step 30; "distance" is a
-replica's L2 distance to its partner just before a pair update, first and last; "exchange" is the
-median wall time of one pair exchange (NoLoCo) or one all-reduce round (DiLoCo, hivemind's
-`DecentralizedAverager`, matchmaking included), waiting for the others included; "pair / local"
-counts pair updates or all-reduce rounds, and local fallbacks, over all replicas; "tokens/s" is the
-data node's over the whole run, outer steps included.
+H = {result["inner_steps"]}, {result["routing"]} routing in every arm; one run each, on 2 shared cores).
+"worst rise" is the largest rise of the 5-step moving average of the training loss above its running
+minimum after step 30; "distance" is a replica's L2 distance to its partner just before a pair
+update, first and last; "exchange" is the median wall time of one pair exchange (NoLoCo) or one
+all-reduce round (DiLoCo, hivemind's `DecentralizedAverager`, matchmaking included), waiting for the
+others included; "pair / local" counts pair updates or all-reduce rounds, and local fallbacks, over
+all replicas; "tokens/s" is the data node's over the whole run, outer steps included; "busiest" is
+the share of a stage's forwards that its busiest replica ran.
 
 {HEADER}
 {chr(10).join(rows)}
@@ -144,6 +159,12 @@ def main() -> int:
     parser.add_argument(
         "--modes", nargs="+", default=["none", "noloco", "diloco"], choices=["none", "noloco", "diloco"]
     )
+    parser.add_argument(
+        "--routing",
+        default="random",
+        choices=["random", "gwtf", "auto"],
+        help="the data node's routing in every arm (auto: each mode's daemon default, GWTF unless NoLoCo)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
@@ -159,13 +180,14 @@ def main() -> int:
                 run_file = workdir / "run.toml"
                 run_file.write_text(base.replace(averaging_overrides(mode)).to_toml())
                 print(f"{mode}, {replicas} replicas per stage ...", file=sys.stderr, flush=True)
-                runs.append(run_swarm(run_file, workdir, replicas, args.timeout))
+                runs.append(run_swarm(run_file, workdir, replicas, args.routing, args.timeout))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "losses"}), file=sys.stderr, flush=True)
     assert len({r["steps"] for r in runs}) == 1, "every swarm must train the same steps"
     result = {
         "command": "python benchmarks/averaging.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
         "inner_steps": base.averaging.inner_steps,
+        "routing": args.routing,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "runs": runs,
     }
