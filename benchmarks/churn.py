@@ -245,7 +245,7 @@ waiting for a stage whose replicas died together.
 Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
 SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**
 (one run each: read it as a direction, not a median). The paper (gwtf.md) reports GWTF up to 45 % faster
-than SWARM under high churn, on simulated swarms of tens of nodes; this is five workers on loopback,
+than SWARM under high churn, on simulated swarms of tens of nodes; this is four workers and a data node on loopback,
 where every link is alike and the difference between the policies is mostly which replica a hop is
 redone on.
 """
