@@ -116,6 +116,6 @@ def test_a_node_uses_torchs_default_threads_unless_told_and_refuses_zero():
 
 
 def test_a_node_refuses_an_exit_timeout_that_is_not_positive():
-    assert NodeConfig().exit_timeout_s == 60.0
+    assert NodeConfig().exit_timeout_s == 60.0  # the drain, the last save and leaving take seconds
     with pytest.raises(ConfigError, match="--exit-timeout"):
         NodeConfig(exit_timeout_s=0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shoal.node.runtime import EXIT_TIMEOUT_S
+
 
 def add_network_arguments(parser: argparse.ArgumentParser, with_identity: bool = True) -> None:
     parser.add_argument(
@@ -143,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-timeout",
         type=float,
-        default=60.0,
+        default=EXIT_TIMEOUT_S,
         metavar="SECONDS",
         help="after SIGTERM or Ctrl-C, exit by then even if the clean shutdown has not finished (status 1)",
     )

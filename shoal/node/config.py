@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.config import ConfigError
+from shoal.node.runtime import EXIT_TIMEOUT_S
 
 ROLES = ("auto", "data", "worker", "rollout")
 
@@ -34,7 +35,7 @@ class NodeConfig:
     record_ttl_s: float = 30.0
     rpc_timeout_s: float = 30.0
     drain_timeout_s: float = 5.0
-    exit_timeout_s: float = 60.0  # after a stop signal, exit by then even if the shutdown is stuck (runtime.py)
+    exit_timeout_s: float = EXIT_TIMEOUT_S  # after a stop signal, exit by then even if the shutdown is stuck
     microbatch_timeout_s: float = 60.0  # a data node re-sends a microbatch that has not come back by then
     stage_wait_s: float = 120.0  # how long to wait for a stage with no live replica before abandoning (stage_lost)
     data_shard: int = 0  # this data node's shard of the training windows, of `data_shards`
