@@ -505,9 +505,12 @@ def _churn_section(r: dict) -> list[str]:
     none_prev, none_now = prev["homogeneous/none"]["time"][0], r["churn"]["homogeneous/none"]["gwtf_over_swarm_time"]
     out += [
         "",
-        "Without churn only the last step applies: GWTF's detours around a full next hop now see loads up to a "
-        f"heartbeat old (homogeneous: {none_prev:.3f} before, {none_now['median']:.3f} now). Our GWTF is an "
-        "interpretation (the paper publishes no code): min-max routes within capacity, refined by annealing; "
+        "Without churn only the last step applies, with the greedy fill's queue-aware cost (below): GWTF's "
+        "detours around a full next hop now see loads up to a heartbeat old (homogeneous: "
+        f"{none_prev:.3f} before, {none_now['median']:.3f} now). Our GWTF is an interpretation (the paper "
+        "publishes no code): min-max routes within capacity, built greedily with each node's queue (routes x "
+        "compute) in a route's cost, so that routes spread over a stage's replicas and every data node gets "
+        "one, then refined by annealing; "
         "data nodes spread microbatches over their routes by expected finish; a sender swaps a full planned next "
         "hop for the cheapest replica with room by its advertised load; a lost hop is redone alone. The SWARM "
         "model still differs from SWARM's public code in ways left alone here: its balancers see every view "

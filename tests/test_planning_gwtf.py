@@ -65,6 +65,19 @@ def test_routes_prefer_the_near_replica_and_move_off_a_node_only_by_capacity():
     assert sorted(r.hops[0] for r in plan.routes) == [1, 2]  # the second route must take the far one
 
 
+def test_every_data_node_gets_routes_and_they_spread_over_a_stages_replicas():
+    # four data nodes and two equal replicas of each block stage at one site: the cheapest links alone
+    # sent every route through the lowest-numbered replicas, stopped at 3 routes once those were busy
+    # (a 4th through them added nothing), and left the 4th data node no route at all
+    data = [PlanNode(i, 0, 0, 0.015, 16) for i in range(4)]
+    blocks = [PlanNode(4 + 2 * (stage - 1) + k, stage, 0, 0.018, 16) for stage in (1, 2) for k in range(2)]
+    swarm = Swarm(tuple(data + blocks), 3, ((0.0005,),), ((1e9,),))
+    plan = plan_flows(swarm, CostModel(activation_bytes=256 * 1024), random.Random(0))
+    assert {r.origin for r in plan.routes} == {0, 1, 2, 3}
+    load = Counter(h for r in plan.routes for h in r.hops)
+    assert set(load) == {b.node_id for b in blocks} and max(load.values()) - min(load.values()) <= 1, load
+
+
 def test_a_lost_hop_goes_to_the_cheapest_live_replica_with_room():
     prev, nxt = PlanNode(0, 0, 0, 1.0, 3), PlanNode(9, 2, 0, 1.0, 3)
     dead, near, far = PlanNode(1, 1, 0, 1.0, 3), PlanNode(2, 1, 0, 1.5, 3), PlanNode(3, 1, 2, 1.0, 3)

@@ -5,8 +5,9 @@ the rest is our interpretation, stated here. A *route* is one in-flight slot: a 
 per block stage, back to the data node; a node carries at most `memory` routes. A route's time is
 the larger of its summed hop costs and, for each node on it, routes-through-that-node x its
 compute (a node serving n routes cannot turn any of them faster than n x c). Routes are built
-greedily (cheapest path through nodes with spare capacity while the estimated throughput, the sum
-of 1 / route time, still rises) and refined by simulated annealing whose every move is decided by
+greedily (cheapest path through nodes with spare capacity, each node's queue counted in, while the
+estimated throughput, the sum of 1 / route time, still rises; every data node gets a first route)
+and refined by simulated annealing whose every move is decided by
 one node with what it knows: its own links, and the load, capacity, compute and carried route costs
 its candidate next hops advertise.
 """
@@ -138,16 +139,21 @@ class _FlowState:
         return sum(1.0 / t for t in self.times)
 
     def cheapest_route(self, origin: PlanNode) -> Route | None:
-        """Layered shortest path from the data node through every block stage and back."""
+        """Layered shortest path from the data node through every block stage and back. A node that
+        already carries routes costs its queue on top (routes x compute: a new route waits behind
+        them), so that routes spread over a stage's replicas instead of piling onto the one with the
+        cheapest links, which leaves the others idle and the next route no faster than the last."""
         best: dict[NodeId, tuple[float, tuple[NodeId, ...]]] = {origin.node_id: (0.0, ())}
         for stage in range(1, self.swarm.stages):
             nxt: dict[NodeId, tuple[float, tuple[NodeId, ...]]] = {}
             for node in self.swarm.by_stage[stage]:
-                if self.load[node.node_id] >= node.memory:
+                n = node.node_id
+                if self.load[n] >= node.memory:
                     continue
-                options = [(c + self.d(prev, node.node_id), path + (node.node_id,)) for prev, (c, path) in best.items()]
+                queue = self.load[n] * self.compute[n]
+                options = [(c + self.d(prev, n) + queue, path + (n,)) for prev, (c, path) in best.items()]
                 if options:
-                    nxt[node.node_id] = min(options)
+                    nxt[n] = min(options)
             if not nxt:
                 return None
             best = nxt
@@ -155,7 +161,8 @@ class _FlowState:
         return Route(origin.node_id, path)
 
     def fill(self) -> None:
-        """Add routes, the least-served data node first, while estimated throughput rises."""
+        """Add routes, the least-served data node first, while estimated throughput rises. A data node's
+        first route is kept even when it does not raise the estimate: without one it cannot train."""
         blocked: set[NodeId] = set()
         while True:
             data = [n for n in self.swarm.data_nodes if n.node_id not in blocked and self.load[n.node_id] < n.memory]
@@ -167,7 +174,7 @@ class _FlowState:
                 return  # some stage is full: no data node can add a route
             before = self.throughput()
             self.add(route)
-            if self.throughput() <= before * (1 + 1e-9):
+            if self.load[origin.node_id] > 1 and self.throughput() <= before * (1 + 1e-9):
                 self.remove_last()
                 blocked.add(origin.node_id)
 
