@@ -6,13 +6,14 @@
 For each replica count, the same run, steps, data and seed with `averaging.mode` none, noloco and
 diloco (α 0.3, the authors' DiLoCo momentum): a bootstrap peer, the workers and one data node, 1
 torch thread per process on 2 shared cores. Every arm routes the same way (`--routing`, default
-random, NoLoCo's): by default a daemon routes with GWTF unless it runs NoLoCo, and GWTF keeps one
-chain of replicas busy, so that a swarm without NoLoCo trains mostly one replica on full batches
-and the comparison would be of routing as much as of averaging. Reported: validation and final loss at equal steps (and
-so equal tokens), the largest rise of the 5-step moving average of the loss above its running
-minimum after step 30 (the spike a never-trained replica causes when routing first reaches it),
-each stage's replica distance before every pair update, and the wall time and bytes of one outer
-synchronisation. Writes benchmarks/results/averaging.json and its section of docs/benchmarks.md.
+random, NoLoCo's): by default a daemon routes with GWTF unless it runs NoLoCo, and GWTF gives some
+replicas more of a stage's microbatches than others (98-99 % to one of two before its routes counted
+node load, 50-73 % since), so arms routed differently would compare routing as much as averaging.
+Reported: validation and final loss at equal steps (and so equal tokens), the largest rise of the
+5-step moving average of the loss above its running minimum after step 30 (the spike a never-trained
+replica causes when routing first reaches it), each stage's replica distance before every pair
+update, and the wall time and bytes of one outer synchronisation. Writes
+benchmarks/results/averaging.json and its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -3,13 +3,12 @@
 The paper gives the hop cost and the objective; it publishes neither code nor the local moves, so
 the rest is our interpretation, stated here. A *route* is one in-flight slot: a data node, one node
 per block stage, back to the data node; a node carries at most `memory` routes. A route's time is
-the larger of its summed hop costs and, for each node on it, routes-through-that-node x its
-compute (a node serving n routes cannot turn any of them faster than n x c). Routes are built
-greedily (cheapest path through nodes with spare capacity, each node's queue counted in, while the
-estimated throughput, the sum of 1 / route time, still rises; every data node gets a first route)
-and refined by simulated annealing whose every move is decided by
-one node with what it knows: its own links, and the load, capacity, compute and carried route costs
-its candidate next hops advertise.
+the larger of its summed hop costs and, for each node on it, routes-through-that-node x its compute
+(a node serving n routes cannot turn any of them faster than n x c). Routes are built greedily
+(cheapest path through nodes with spare capacity, each node's queue counted in, while the estimated
+throughput, the sum of 1 / route time, still rises; every data node gets a first route) and refined
+by simulated annealing whose every move is decided by one node with what it knows: its own links,
+and the load, capacity, compute and carried route costs its candidate next hops advertise.
 """
 
 from __future__ import annotations
