@@ -50,11 +50,10 @@ from docs_section import write_section
 from shoal.config import RunConfig, load_run_config
 from shoal.errors import UsageError
 from shoal.model.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
-from shoal.model.llama import derive_seed
-from shoal.model.stages import build_all_stages, build_stage, forward_route
+from shoal.model.stages import build_all_stages, forward_route
 from shoal.train.failures import Failure, by_slot, checkpoint_timeline, rate_failures, single_wipes, step_probability
 from shoal.train.inner import InnerOptimizer
-from shoal.train.repair import Neighbour, neighbour_weights, plan_repair, rebuild, swapped_order
+from shoal.train.repair import Neighbour, fresh_weights, neighbour_weights, plan_repair, rebuild, swapped_order
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = {  # --setting -> where its results go, and its section of docs/benchmarks.md
@@ -195,9 +194,7 @@ class Pipeline:
                 )
                 for s in plan.sources
             ]
-            fresh_seed = derive_seed(self.run.train.seed, "repair", slot, stage)
-            fresh = [p.detach() for p in build_stage(self.run.model, self.stages, stage, fresh_seed).parameters()]
-            repaired = rebuild(plan, neighbours, fresh, self.run.repair.weights_from)
+            repaired = rebuild(plan, neighbours, fresh_weights(self.run, stage, slot), self.run.repair.weights_from)
             module = self.blocks[stage - 1]
             with torch.no_grad():
                 for p, w in zip(module.parameters(), repaired.weights, strict=True):

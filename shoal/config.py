@@ -44,6 +44,11 @@ class TrainConfig:
     microbatch_size: int = 4  # sequences per microbatch
     seed: int = 0
     eval_batches: int = 8
+    eval_every: int = 0  # steps between validation evaluations during training (0: only after the last step)
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether validation runs after `step` mid-run (the evaluation after the last step always does)."""
+        return self.eval_every > 0 and (step + 1) % self.eval_every == 0 and step + 1 < self.steps
 
 
 @dataclass(frozen=True)
@@ -187,10 +192,12 @@ class RunConfig:
     @property
     def run_id(self) -> str:
         """Content hash of the config: peers with the same run id train the same thing. A `defense`
-        section at its defaults is left out of the hash, so run ids stay as they were before it."""
+        section at its defaults is left out of the hash, so run ids stay as they were before it, and
+        so is train.eval_every: how often a data node evaluates changes nothing that is trained."""
         data = self.to_dict()
         if self.defense == PipelineDefenseConfig():
             del data["defense"]
+        del data["train"]["eval_every"]
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -342,6 +349,7 @@ def _validate(cfg: RunConfig) -> None:
         f"must divide train.batch_size ({t.batch_size}), got {t.microbatch_size}",
     )
     need(t.seed >= 0, "train.seed", "must be non-negative")
+    need(t.eval_every >= 0, "train.eval_every", f"must be zero (only at the end) or positive, got {t.eval_every}")
     need(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     need(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be non-negative")

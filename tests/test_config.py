@@ -29,6 +29,14 @@ def test_the_pipeline_defenses_are_on_by_default_and_leave_run_ids_as_they_were(
     assert off.run_id != TINY.run_id and parse_run_config(off.to_toml()) == off
 
 
+def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
+    every_step = TINY.replace({"train.eval_every": 1})
+    assert every_step.run_id == TINY.run_id and parse_run_config(every_step.to_toml()) == every_step
+    assert [every_step.train.evaluates_after(s) for s in range(3)] == [True, True, True]
+    assert not every_step.train.evaluates_after(TINY.train.steps - 1)  # the last: evaluated at the end anyway
+    assert not any(TINY.train.evaluates_after(s) for s in range(TINY.train.steps))
+
+
 @pytest.mark.parametrize(
     "toml, field",
     [
@@ -46,6 +54,7 @@ def test_the_pipeline_defenses_are_on_by_default_and_leave_run_ids_as_they_were(
         ("[defense]\naudit_rate = 2.0\n", "defense.audit_rate"),
         ("[defense]\nouter_tolerance = 1.0\n", "defense.outer_tolerance"),
         ("[defense]\naudits = true\n", "defense.audits"),
+        ("[train]\neval_every = -1\n", "train.eval_every"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):
@@ -119,3 +128,9 @@ def test_a_node_refuses_an_exit_timeout_that_is_not_positive():
     assert NodeConfig().exit_timeout_s == 60.0  # the drain, the last save and leaving take seconds
     with pytest.raises(ConfigError, match="--exit-timeout"):
         NodeConfig(exit_timeout_s=0)
+
+
+def test_a_node_refuses_a_negative_crash_step():
+    assert NodeConfig().inject_crash_at_step is None
+    with pytest.raises(ConfigError, match="--inject-crash-at-step"):
+        NodeConfig(inject_crash_at_step=-1)

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 @pytest.fixture
 def run_file(tmp_path):
-    return write_tiny_run(tmp_path, **{"train.steps": 8, "averaging.mode": "none"})
+    return write_tiny_run(tmp_path, **{"train.steps": 8, "averaging.mode": "none", "train.eval_every": 3})
 
 
 @pytest.mark.parametrize("close_delay", [0.0, 0.3], ids=["prompt-closes", "closes-overtaken-by-forwards"])
@@ -51,6 +51,11 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     # float32 on the wire: only the order of float operations differs (hop-by-hop graphs, threads)
     assert swarm_losses == pytest.approx(local_losses, rel=2e-4, abs=2e-4)
     assert done["val_loss"] == pytest.approx(reference.val_loss, rel=2e-4)
+    steps = [e for e in progress_events(progress) if e["event"] == "step"]
+    swarm_val = {e["step"]: e["val_loss"] for e in steps if "val_loss" in e}
+    local_val = {r.step: r.val_loss for r in reference.history if r.val_loss is not None}
+    assert set(swarm_val) == set(local_val) == {2, 5}  # train.eval_every 3; after step 7 it is done's val_loss
+    assert list(swarm_val.values()) == pytest.approx(list(local_val.values()), rel=2e-4)
     assert done["microbatches_completed"] + done["microbatches_abandoned"] == done["microbatches_injected"]
     assert done["microbatches_abandoned"] == 0
     assert swarm_losses[-1] < swarm_losses[0]

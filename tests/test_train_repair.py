@@ -6,15 +6,20 @@ import pytest
 import torch
 
 from shoal.config import ConfigError, RunConfig
+from shoal.model.stages import build_stage
 from shoal.train.repair import (
     NORM_EPSILON,
     Neighbour,
+    fresh_weights,
     neighbour_weights,
     plan_repair,
     rebuild,
+    steps_to_recover,
     swap_partner,
+    swap_variant,
     swapped_order,
 )
+from tests.helpers.tiny import tiny_run
 
 
 def _stage(value: float, norm: float, stage: int, clipped: float | None = None) -> Neighbour:
@@ -96,3 +101,32 @@ def test_the_run_config_names_a_bad_repair_field():
         RunConfig().replace({"repair.weights_from": "squared"})
     assert RunConfig().repair.swaps == 0.0
     assert RunConfig().replace({"repair.rule": "checkfree_plus"}).repair.swaps == 0.5
+
+
+def test_random_re_initialisation_draws_new_weights_not_the_stages_step_0_ones():
+    run = tiny_run(**{"model.init_std": 0.2})
+    start = [p.detach() for p in build_stage(run.model, run.pipeline.stages, 1, run.train.seed).parameters()]
+    at_27, again, at_28 = fresh_weights(run, 1, 27), fresh_weights(run, 1, 27), fresh_weights(run, 1, 28)
+    assert [w.shape for w in at_27] == [w.shape for w in start]
+    assert all(torch.equal(a, b) for a, b in zip(at_27, again, strict=True))  # seeded: every run draws the same
+    matrices = [i for i, w in enumerate(start) if w.dim() == 2]
+    for other in (start, at_28):  # unrelated draws: no weight matrix correlates with the other's
+        for k in matrices:
+            assert abs(float(torch.corrcoef(torch.stack([at_27[k].flatten(), other[k].flatten()]))[0, 1])) < 0.2
+
+
+def test_steps_to_recover_counts_from_the_rebuilt_stages_first_step():
+    val = {25: 3.0, 26: 2.9, 27: 3.4, 28: 3.0, 29: 2.89, 30: 2.7}
+    assert steps_to_recover(val, before=val[26], repaired_at=27) == 2  # step 29: the first under 2.9
+    assert steps_to_recover(val, before=2.0, repaired_at=27) is None  # not within the curve
+    assert steps_to_recover(val, before=3.5, repaired_at=27) == 0  # under it from the first step
+
+
+def test_swaps_are_drawn_from_the_seed_and_the_microbatchs_place_alone():
+    tags = [f"{step}.{i}" for step in range(100) for i in range(4)]
+    drawn = [swap_variant(0, tag, 0.5) for tag in tags]
+    assert drawn == [swap_variant(0, tag, 0.5) for tag in tags]  # a resend, or another rule's run: the same
+    assert 0.4 < sum(v is not None for v in drawn) / len(tags) < 0.6 and {v for v in drawn if v is not None} == {0, 1}
+    assert drawn != [swap_variant(1, tag, 0.5) for tag in tags]
+    assert all(swap_variant(0, tag, 0.0) is None for tag in tags)
+    assert all(swap_variant(0, tag, 1.0) is not None for tag in tags)

@@ -8,6 +8,7 @@ from pathlib import Path
 from shoal.config import RunConfig
 from shoal.demo.launcher import LocalSwarm
 from shoal.report import write_report
+from shoal.train.repair import steps_to_recover
 
 
 def _node_row(peer, stats_path: Path) -> dict:
@@ -61,15 +62,27 @@ def repair_summary(events: list[dict], wipe: dict | None) -> list[dict]:
 
     loss_before is the mean loss of the 3 steps before the stage was wiped (or before the repair, if
     the demo did not wipe it), loss_after the loss of the first step after the repair, and
-    steps_to_recover the steps from the repair until the loss is back under loss_before (None: never)."""
-    losses = {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["loss"] is not None}
+    steps_to_recover the steps from the repair until the loss is back under loss_before (None: never).
+    Where the run evaluates after every step (train.eval_every 1), val_before, val_after and
+    val_steps_to_recover say the same of the validation loss, which has no batch-to-batch noise."""
+    steps = [e for e in events if e["event"] == "step"]
+    losses = {e["step"]: e["loss"] for e in steps if e["loss"] is not None}
+    val = {e["step"]: e["val_loss"] for e in steps if e.get("val_loss") is not None}  # train.eval_every
     rows = []
     for event in (e for e in events if e["event"] == "repair"):
         wiped_at = wipe["step"] if wipe and wipe.get("stage") == event["stage"] else event["step"]
         before = [losses[s] for s in range(wiped_at - 3, wiped_at) if s in losses]
         loss_before = sum(before) / len(before) if before else None
         after = sorted(s for s in losses if s >= event["step"])
-        recovered = next((s for s in after if loss_before is not None and losses[s] < loss_before), None)
+        first = event["inner_step"]  # the first step the rebuilt stage trains
+        val_before = val.get(first - 1)  # after the last step the lost stage trained
+        validation = {}
+        if val_before is not None:
+            validation = {
+                "val_before": val_before,
+                "val_after": val.get(first),
+                "val_steps_to_recover": steps_to_recover(val, val_before, first),
+            }
         rows.append(
             {
                 "stage": event["stage"],
@@ -80,7 +93,10 @@ def repair_summary(events: list[dict], wipe: dict | None) -> list[dict]:
                 "note": event["note"],
                 "loss_before": loss_before,
                 "loss_after": losses[after[0]] if after else None,
-                "steps_to_recover": None if recovered is None else recovered - event["step"],
+                "steps_to_recover": None
+                if loss_before is None
+                else steps_to_recover(losses, loss_before, event["step"]),
+                **validation,
             }
         )
     return rows
@@ -122,6 +138,7 @@ def build_report(
         "repairs": repair_summary(events, wipe),
         "nodes": [_node_row(p, stats_files[p.name]) for p in swarm.peers if p.name != "bootstrap"],
         "losses": [e["loss"] for e in steps],
+        "val_losses": [[e["step"], e["val_loss"]] for e in steps if e.get("val_loss") is not None],
     }
     report["averaging"] = averaging_summary(run, report["nodes"])
     curve = [(e["step"], e["loss"]) for e in steps if e["loss"] is not None]
@@ -129,10 +146,13 @@ def build_report(
     if wipe and "stage" in wipe:
         marks.append((wipe["step"], f"stage {wipe['stage']} wiped"))
     marks += [(r["step"], f"stage {r['stage']} rebuilt ({r['rule']})") for r in report["repairs"]]
+    curves = {"swarm": ([s for s, _ in curve], [v for _, v in curve])}
+    if report["val_losses"]:  # train.eval_every
+        curves["validation"] = ([s for s, _ in report["val_losses"]], [v for _, v in report["val_losses"]])
     return write_report(
         directory,
         report,
-        {"swarm": ([s for s, _ in curve], [v for _, v in curve])},
+        curves,
         f"shoal demo ({run.name}): {len(report['nodes'])} nodes",
         marks,
     )

@@ -121,6 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that long in a thread",
     )
     parser.add_argument(
+        "--inject-crash-at-step",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="fault injection for tests: a worker that dies as if SIGKILLed when the first forward of STEP reaches it",
+    )
+    parser.add_argument(
         "--inject-forward-delay",
         type=float,
         default=0.0,
@@ -260,6 +267,7 @@ def node_config(args: argparse.Namespace):
         inject_upstream_delay=_delay(args.inject_upstream_delay),
         inject_close_stall=_delay(args.inject_close_stall, "--inject-close-stall"),
         inject_forward_delay_s=args.inject_forward_delay,
+        inject_crash_at_step=args.inject_crash_at_step,
         inject_close_delay_s=args.inject_close_delay,
         policy_width=args.policy_width,
         policy_depth=args.policy_depth,

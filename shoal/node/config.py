@@ -56,6 +56,9 @@ class NodeConfig:
     # fault injection for tests: (step, seconds) a worker's handling of that step's close is blocked in a
     # thread, as an outer step stuck in its all-reduce's lock was
     inject_close_stall: tuple[int, float] | None = None
+    # fault injection for tests: a worker that dies as if SIGKILLed (no goodbye, nothing saved) when the
+    # first forward of this training step reaches it, so that a wipe lands on a known step
+    inject_crash_at_step: int | None = None
     # GRPO rollout workers: this node's own policy (its model id goes into the node record)
     policy_width: int = 48
     policy_depth: int = 2
@@ -84,6 +87,8 @@ class NodeConfig:
             raise ConfigError("--threads", "must be at least 1")
         if self.inject_forward_delay_s < 0:
             raise ConfigError("--inject-forward-delay", "must be zero or more")
+        if self.inject_crash_at_step is not None and self.inject_crash_at_step < 0:
+            raise ConfigError("--inject-crash-at-step", "must be zero or more")
         if self.inject_close_delay_s < 0:
             raise ConfigError("--inject-close-delay", "must be zero or more")
         if self.use_auto_relay and not self.use_relay:

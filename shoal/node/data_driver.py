@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import secrets
 import time
 from collections import Counter, deque
@@ -43,7 +42,7 @@ from shoal.protocol.pipeline import (
     check_hop,
 )
 from shoal.train.inner import InnerOptimizer
-from shoal.train.repair import swapped_order
+from shoal.train.repair import swap_variant, swapped_order
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +202,10 @@ class DataDriver(PipelineEngine):
             result = await self.train_step(step)
             self.history.append(result)
             self.node.loss = result.loss
+            validation = {}
+            if self.run.train.evaluates_after(step):
+                await self.closes_taken()  # every worker evaluates on this step's weights
+                validation = {"val_loss": await self.evaluate(f"s{step}")}
             self._progress(
                 {
                     "event": "step",
@@ -214,6 +217,7 @@ class DataDriver(PipelineEngine):
                     "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                     "in_flight": self.ledger.in_flight,
                     "swapped": self.swapped,
+                    **validation,
                     **self.ledger.summary(),
                     **result.extra,
                 }
@@ -359,14 +363,12 @@ class DataDriver(PipelineEngine):
         """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
         partners, so that each learns to stand in for the other and a lost edge stage can be rebuilt by
         copying its partner. Drawn from the run's seed and the microbatch's place in its step (`tag`),
-        not from the node's identity or the run's hash: a resend keeps its order, and two runs of the
-        same seed under different repair rules swap the same microbatches."""
-        share = self.run.repair.swaps
-        draw = random.Random(f"swap:{self.run.train.seed}:{tag}")
-        if share <= 0 or draw.random() >= share:
+        not from the node's identity or the run's hash (`swap_variant`)."""
+        variant = swap_variant(self.run.train.seed, tag, self.run.repair.swaps)
+        if variant is None:
             return routed
         peers = dict(routed.hops)
-        order = swapped_order([s for s, _ in routed.hops], self.run.pipeline.stages, draw.randrange(2))
+        order = swapped_order([s for s, _ in routed.hops], self.run.pipeline.stages, variant)
         self.swapped += 1
         return replace(routed, hops=tuple((s, peers[s]) for s in order))
 
@@ -695,8 +697,9 @@ class DataDriver(PipelineEngine):
 
     # ---- evaluation ----------------------------------------------------------------------------
 
-    async def evaluate(self) -> float | None:
-        """Validation loss of the whole swarm model, forward only, over the shared validation batches."""
+    async def evaluate(self, tag: str = "end") -> float | None:
+        """Validation loss of the whole swarm model, forward only, over the shared validation batches
+        (None if none came home). `tag` keeps each evaluation's microbatch ids apart."""
         t = self.run.train
         slots = asyncio.Semaphore(self.node.max_inflight)
         jobs = []
@@ -704,7 +707,7 @@ class DataDriver(PipelineEngine):
             for i, (xm, ym) in enumerate(
                 zip(x.chunk(self.run.microbatches_per_step), y.chunk(self.run.microbatches_per_step), strict=True)
             ):
-                jobs.append(self._microbatch(f"{b}.{i}", -1, xm, ym, 1.0, slots, train=False))
+                jobs.append(self._microbatch(f"{tag}.{b}.{i}", -1, xm, ym, 1.0, slots, train=False))
         losses = [loss for loss in await asyncio.gather(*jobs) if loss is not None]
         return sum(losses) / len(losses) if losses else None
 

@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from shoal.node.stage_copy import FetchedStage, adopt_stage, fetch_stage
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer
-from shoal.train.repair import Neighbour, plan_repair, rebuild
+from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild
 
 if TYPE_CHECKING:
     from shoal.node.daemon import Node
@@ -54,18 +54,18 @@ async def repair_stage(worker: StageWorker) -> dict:
     stages = run.pipeline.stages
     available = {s for s in range(1, stages) if s != worker.stage and _holders(node, s)}
     plan = plan_repair(worker.stage, stages, available, run.repair.rule)
-    fresh = [p.detach().clone() for p in worker.module.parameters()]
-    fetched = [got for s in plan.sources if (got := await _fetch_any(node, s, fresh)) is not None]
+    shapes = [p.detach() for p in worker.module.parameters()]
+    fetched = [got for s in plan.sources if (got := await _fetch_any(node, s, shapes)) is not None]
+    inner_step = max((f.inner_step for f in fetched), default=_swarm_step(node))  # the first it trains
     notes = [plan.note] if plan.note else []
     missing = sorted(set(plan.sources) - {f.stage for f in fetched})
     if missing:
         notes.append(f"stage(s) {missing} gave no usable weights")
     neighbours = [Neighbour(f.stage, f.theta, _norm(f.grad_norm), _norm(f.grad_norm_clipped), f.inner_step)
                   for f in fetched]  # fmt: skip
-    repaired = rebuild(plan, neighbours, fresh, run.repair.weights_from)
+    repaired = rebuild(plan, neighbours, fresh_weights(run, worker.stage, inner_step), run.repair.weights_from)
     if repaired.note and repaired.note not in notes:
         notes.append(repaired.note)
-    inner_step = max((f.inner_step for f in fetched), default=_swarm_step(node))
     outer_epoch = max((f.outer_epoch for f in fetched), default=node.outer_epoch)
     worker.optimizer = InnerOptimizer(worker.module, run.optim, run.train.steps, lr_scale=run.repair.lr_scale)
     await adopt_stage(worker, repaired.weights, repaired.weights, inner_step, outer_epoch)

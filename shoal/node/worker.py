@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -202,6 +204,11 @@ class StageWorker(PipelineEngine):
         return x, y, calls
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
+        crash_at = self.node.config.inject_crash_at_step
+        if crash_at is not None and request.step >= crash_at:  # fault injection: gone, weights and all
+            logger.warning("[%s] crashing at step %d (--inject-crash-at-step)", self.node.short_id, request.step)
+            sys.stderr.flush()
+            os._exit(137)
         try:
             await self._after_previous_close(request)
             await self._forward_and_pass_on(request, x)

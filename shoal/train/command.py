@@ -109,11 +109,15 @@ def run(args: argparse.Namespace) -> int:
             "bytes_per_token": splits.bytes_per_token,
         },
         "losses": [r.loss for r in result.history],
+        "val_losses": [[r.step, r.val_loss] for r in result.history if r.val_loss is not None],  # train.eval_every
     }
+    curves = {"train": ([r.step for r in result.history], report["losses"])}
+    if report["val_losses"]:
+        curves["validation"] = ([s for s, _ in report["val_losses"]], [v for _, v in report["val_losses"]])
     path = write_report(
         args.report,
         report,
-        {"train": ([r.step for r in result.history], report["losses"])},
+        curves,
         f"shoal train --local ({run_config.name})",
     )
     print(

@@ -25,6 +25,7 @@ class StepRecord:
     loss: float
     lr: float
     tokens_per_s: float
+    val_loss: float | None = None  # after this step, where train.eval_every asks for it
 
 
 @dataclass
@@ -84,6 +85,8 @@ class ReferenceTrainer:
             train_s += elapsed
             lr = self.optimizers[0].adamw.param_groups[0]["lr"]
             record = StepRecord(step=step, loss=loss, lr=lr, tokens_per_s=tokens_per_step / elapsed)
+            if self.run.train.evaluates_after(step):
+                record.val_loss = self.evaluate()
             history.append(record)
             if on_step:
                 on_step(record)

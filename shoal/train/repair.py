@@ -16,12 +16,16 @@ demo and the benchmark call the same rule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shoal.config import REPAIR_RULES as RULES
+from shoal.config import RunConfig
+from shoal.model.llama import derive_seed
+from shoal.model.stages import build_stage
 
 Tensors = Sequence[torch.Tensor]
 
@@ -101,6 +105,17 @@ def swapped_order(order: Sequence[int], num_stages: int, variant: int) -> list[i
     return swapped
 
 
+def swap_variant(seed: int, tag: str, share: float) -> int | None:
+    """CheckFree+: whether the microbatch `tag` (its place in its step, "step.index") runs with swap
+    partners exchanged, and which `swapped_order` variant; None: the natural order. Drawn from the
+    run's seed and the tag alone, so a resend keeps its order and two runs of the same seed under
+    different repair rules swap the same microbatches."""
+    draw = random.Random(f"swap:{seed}:{tag}")
+    if share <= 0 or draw.random() >= share:
+        return None
+    return draw.randrange(2)
+
+
 def plan_repair(stage: int, num_stages: int, available: set[int], rule: str) -> RepairPlan:
     """How to rebuild `stage` given the block stages that still have a live replica.
 
@@ -149,6 +164,14 @@ def neighbour_weights(neighbours: Sequence[Neighbour], weights_from: str = "uncl
     return [w / total for w in omegas]
 
 
+def fresh_weights(run: RunConfig, stage: int, slot: int) -> Tensors:
+    """A random re-initialisation of `stage` for a repair whose stage first trains step `slot`: drawn
+    from its own seed, not the run's (that would give back the stage's step-0 weights, which a short
+    run with a large init has barely moved from, so 'random' would be nearly a restore)."""
+    seed = derive_seed(run.train.seed, "repair", slot, stage)
+    return [p.detach() for p in build_stage(run.model, run.pipeline.stages, stage, seed).parameters()]
+
+
 def rebuild(
     plan: RepairPlan, neighbours: Sequence[Neighbour], fresh: Tensors, weights_from: str = "unclipped"
 ) -> Repaired:
@@ -177,3 +200,9 @@ def rebuild(
 
 def _same_shapes(a: Tensors, b: Tensors) -> bool:
     return len(a) == len(b) and all(tuple(x.shape) == tuple(y.shape) for x, y in zip(a, b, strict=True))
+
+
+def steps_to_recover(curve: Mapping[int, float], before: float, repaired_at: int) -> int | None:
+    """Steps from the repair, whose rebuilt stage first trains step `repaired_at`, until a loss curve
+    (step -> loss after it) is back under `before`, the pre-failure loss; None if not within the curve."""
+    return next((s - repaired_at for s in sorted(curve) if s >= repaired_at and curve[s] < before), None)
