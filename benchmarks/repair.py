@@ -16,8 +16,8 @@ reference trainer, and the repair rules of `shoal.train.repair` (`plan_repair` +
 of stage s at step k happens before step k's forward passes: the stage's weights are wiped (NaN), the
 rule rebuilds them from the neighbours' current weights and last gradient norms, and the stage gets a
 fresh inner optimizer at `repair.lr_scale` x the schedule, its step count continuing. "random"
-draws a fresh initialisation. CheckFree+ runs route half of each step's microbatches through
-`swapped_order`.
+draws a fresh initialisation. CheckFree+ runs route every other microbatch through `swapped_order`
+(`swap_variant`, the data node's rule).
 
 Every strategy of an experiment trains the same steps on the same batches from the same seed under
 the same failure schedule. Runs are identical until their first failure, so each strategy branches
@@ -53,7 +53,15 @@ from shoal.model.data import BatchSampler, TokenSplits, load_token_splits, valid
 from shoal.model.stages import build_all_stages, forward_route
 from shoal.train.failures import Failure, by_slot, checkpoint_timeline, rate_failures, single_wipes, step_probability
 from shoal.train.inner import InnerOptimizer
-from shoal.train.repair import Neighbour, fresh_weights, neighbour_weights, plan_repair, rebuild, swapped_order
+from shoal.train.repair import (
+    Neighbour,
+    fresh_weights,
+    neighbour_weights,
+    plan_repair,
+    rebuild,
+    swap_variant,
+    swapped_order,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = {  # --setting -> where its results go, and its section of docs/benchmarks.md
@@ -128,11 +136,6 @@ def load_data(run: RunConfig) -> tuple[TokenSplits, str]:
         return load_token_splits(data, run.model.vocab_size), "tests/helpers/tiny.py sample_text(300000): no corpus"
 
 
-def swapped(microbatch: int, share: float) -> bool:
-    """Spread a `share` of a step's microbatches evenly (0.5: the odd ones, as the authors' code)."""
-    return math.floor((microbatch + 1) * share) > math.floor(microbatch * share)
-
-
 class Pipeline:
     """The whole pipeline in one process: stage 0 and the block stages, each with its inner optimizer."""
 
@@ -155,8 +158,10 @@ class Pipeline:
         n = self.run.microbatches_per_step
         natural = list(range(1, self.stages))
         total = 0.0
+        step = self.optimizers[0].step_count  # stage 0 never fails: its count is the run's
         for j, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
-            order = swapped_order(natural, self.stages, j) if swapped(j, self.run.repair.swaps) else natural
+            variant = swap_variant(step, j, n, self.run.repair.swaps)  # the data node's rule
+            order = natural if variant is None else swapped_order(natural, self.stages, variant)
             loss = forward_route(self.head, [self.blocks[s - 1] for s in order], x, y)
             (loss / n).backward()
             total += float(loss.detach())

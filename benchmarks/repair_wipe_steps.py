@@ -5,7 +5,7 @@
 `tests/test_node_churn.py` kills the middle stage of a running swarm of real daemons at one pinned
 step and compares CheckFree+ with random re-initialisation on the same seed. This benchmark runs that
 run (the tests' hermetic pseudo-English, three one-layer block stages, init std 0.2, lr 2e-3, 48 steps,
-half the microbatches swapped as the data node draws them) in one process, with benchmarks/repair.py's
+every other microbatch swapped, the pairs taking turns) in one process, with benchmarks/repair.py's
 `Pipeline`, and wipes stage 2 before each of a range of steps instead: how far the rules' ordering
 holds away from the pinned step. Every rule branches from the same no-failure run at each wipe step.
 The validation loss is evaluated after every step (no batch noise): **jump** is its rise over the
@@ -34,8 +34,7 @@ from repair import Pipeline
 
 from shoal.config import RunConfig
 from shoal.model.data import BatchSampler, TokenSplits, load_token_splits
-from shoal.model.stages import forward_route
-from shoal.train.repair import steps_to_recover, swap_variant, swapped_order
+from shoal.train.repair import steps_to_recover
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,31 +48,16 @@ LABELS = {"checkfree_plus": "CheckFree+ (gradient-weighted)", "uniform": "unifor
 STAGE = 2  # the middle block stage: no swap partner, both neighbours alive
 
 
-class DrawnSwaps(Pipeline):
-    """The pipeline with each microbatch's swap drawn as the data node draws it (not evenly spread)."""
-
-    def train_step_at(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        inputs, targets = batch
-        n = self.run.microbatches_per_step
-        natural = list(range(1, self.stages))
-        for j, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
-            variant = swap_variant(self.run.train.seed, f"{step}.{j}", self.run.repair.swaps)
-            order = natural if variant is None else swapped_order(natural, self.stages, variant)
-            (forward_route(self.head, [self.blocks[s - 1] for s in order], x, y) / n).backward()
-        for stage, optimizer in enumerate(self.optimizers):
-            self.norms[stage] = optimizer.step().grad_norm
-
-
 def the_run(rule: str, workdir: Path) -> RunConfig:
     return tiny_run(**REPAIR_RUN, **{"repair.rule": rule, "data.path": str(workdir / "corpus.txt")})
 
 
-def wipe_at(base: DrawnSwaps, run: RunConfig, splits: TokenSplits, batches: list, wipe: int) -> dict:
+def wipe_at(base: Pipeline, run: RunConfig, splits: TokenSplits, batches: list, wipe: int) -> dict:
     pipe = base.branch(run)
     val = {wipe - 1: pipe.evaluate(splits)}
     (record,) = pipe.repair([STAGE], wipe)
     for step in range(wipe, run.train.steps):
-        pipe.train_step_at(step, batches[step])
+        pipe.train_step(batches[step])
         val[step] = pipe.evaluate(splits)
     return {
         "wipe": wipe,
@@ -93,11 +77,11 @@ def measure(wipes: list[int]) -> dict:
     t = first.train
     sampler = BatchSampler(splits.train, t.seq_len, t.batch_size, t.seed)
     batches = [sampler.batch(step) for step in range(t.steps)]
-    base, copies = DrawnSwaps(first), {}
+    base, copies = Pipeline(first), {}
     for step in range(t.steps):  # the no-failure run, copied before each wipe step
         if step in wipes:
             copies[step] = base.branch(base.run)
-        base.train_step_at(step, batches[step])
+        base.train_step(batches[step])
     rows = {rule: [wipe_at(copies[w], the_run(rule, workdir), splits, batches, w) for w in wipes] for rule in RULES}
     return {"run": json.loads(first.to_json()), "rows": rows}
 
@@ -135,8 +119,8 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}` ({result['wall_s']:.0f} s on one torch thread, 2 shared cores). The run of",
         "`tests/test_node_churn.py` (the tests' hermetic pseudo-English; three one-layer block stages, init std",
-        f"0.2, lr 2e-3, {result['run']['train']['steps']} steps; half the microbatches swapped as the data node",
-        "draws them) in one process, benchmarks/repair.py's `Pipeline`; stage 2, the middle one, wiped before",
+        f"0.2, lr 2e-3, {result['run']['train']['steps']} steps; every other microbatch swapped, the two pairs",
+        "taking turns) in one process, benchmarks/repair.py's `Pipeline`; stage 2, the middle one, wiped before",
         "each step below and rebuilt by each rule from the same no-failure run. Validation loss after every step.",
         "Cells: **jump** of the validation loss over the repair / **steps back** under its value before the wipe.",
         "",
@@ -156,8 +140,6 @@ def markdown(result: dict) -> str:
         f"- The live test pins the wipe before step {pinned['wipe']} and asks CheckFree to be back within"
         f" {pinned['bound']} steps where random is not: that bound separates the two rules at wipe steps"
         f" {summary['separated_by_bound']} of these.",
-        "- Live, at the pinned step (`tests/test_node_churn.py`, three runs, identical to 3 decimals): CheckFree+"
-        " jump 0.30, back in 7 steps; random 0.45, 11 steps.",
         "",
         f"x86_64, {result['machine']['cpus']} cores, torch {result['machine']['torch']}.",
     ]

@@ -122,11 +122,11 @@ def test_steps_to_recover_counts_from_the_rebuilt_stages_first_step():
     assert steps_to_recover(val, before=3.5, repaired_at=27) == 0  # under it from the first step
 
 
-def test_swaps_are_drawn_from_the_seed_and_the_microbatchs_place_alone():
-    tags = [f"{step}.{i}" for step in range(100) for i in range(4)]
-    drawn = [swap_variant(0, tag, 0.5) for tag in tags]
-    assert drawn == [swap_variant(0, tag, 0.5) for tag in tags]  # a resend, or another rule's run: the same
-    assert 0.4 < sum(v is not None for v in drawn) / len(tags) < 0.6 and {v for v in drawn if v is not None} == {0, 1}
-    assert drawn != [swap_variant(1, tag, 0.5) for tag in tags]
-    assert all(swap_variant(0, tag, 0.0) is None for tag in tags)
-    assert all(swap_variant(0, tag, 1.0) is not None for tag in tags)
+def test_swaps_are_spread_evenly_by_the_microbatchs_place_and_overlapping_pairs_take_turns():
+    half = [swap_variant(step, m, 4, 0.5) for step in range(3) for m in range(4)]
+    assert half == [None, 0, None, 1, None, 2, None, 3, None, 4, None, 5]  # every other one, as the authors
+    assert [swapped_order([1, 2, 3], 4, v) for v in half if v is not None][:2] == [[2, 1, 3], [1, 3, 2]]
+    quarter = [swap_variant(step, m, 4, 0.3) for step in range(10) for m in range(4)]
+    assert sum(v is not None for v in quarter) == 12  # 30 % of the run's 40, though a step has 4
+    assert all(swap_variant(step, m, 4, 0.0) is None for step in range(5) for m in range(4))
+    assert all(swap_variant(step, m, 4, 1.0) is not None for step in range(5) for m in range(4))

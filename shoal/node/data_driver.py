@@ -251,7 +251,7 @@ class DataDriver(PipelineEngine):
         self.step_peers = set()
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
-            asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots))
+            asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots, index=i))
             for i, (x, y) in enumerate(pieces)
         ]
         audit = self.auditor.maybe_audit(step, inputs[: self.run.train.microbatch_size])  # beside the step's work
@@ -359,12 +359,11 @@ class DataDriver(PipelineEngine):
                 return None
             await asyncio.sleep(STAGE_POLL_S)
 
-    def _swapped(self, routed: Routed, tag: str) -> Routed:
+    def _swapped(self, routed: Routed, step: int, microbatch: int) -> Routed:
         """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
         partners, so that each learns to stand in for the other and a lost edge stage can be rebuilt by
-        copying its partner. Drawn from the run's seed and the microbatch's place in its step (`tag`),
-        not from the node's identity or the run's hash (`swap_variant`)."""
-        variant = swap_variant(self.run.train.seed, tag, self.run.repair.swaps)
+        copying its partner (`swap_variant`: by the microbatch's place in the run, as the benchmarks)."""
+        variant = swap_variant(step, microbatch, self.run.microbatches_per_step, self.run.repair.swaps)
         if variant is None:
             return routed
         peers = dict(routed.hops)
@@ -410,6 +409,7 @@ class DataDriver(PipelineEngine):
         loss_scale: float,
         slots: asyncio.Semaphore,
         train: bool = True,
+        index: int = 0,
     ) -> float | None:
         """Inject one microbatch and see it to its end; returns its loss if it completed.
 
@@ -428,7 +428,7 @@ class DataDriver(PipelineEngine):
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
                 if train:
-                    route = self._swapped(route, tag)
+                    route = self._swapped(route, step, index)
                 outcome, entry = await self._attempt(
                     base_id, attempt, step, embedded, targets, loss_scale, route, train
                 )

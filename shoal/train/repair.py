@@ -16,7 +16,7 @@ demo and the benchmark call the same rule.
 
 from __future__ import annotations
 
-import random
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -105,15 +105,17 @@ def swapped_order(order: Sequence[int], num_stages: int, variant: int) -> list[i
     return swapped
 
 
-def swap_variant(seed: int, tag: str, share: float) -> int | None:
-    """CheckFree+: whether the microbatch `tag` (its place in its step, "step.index") runs with swap
-    partners exchanged, and which `swapped_order` variant; None: the natural order. Drawn from the
-    run's seed and the tag alone, so a resend keeps its order and two runs of the same seed under
-    different repair rules swap the same microbatches."""
-    draw = random.Random(f"swap:{seed}:{tag}")
-    if share <= 0 or draw.random() >= share:
+def swap_variant(step: int, microbatch: int, per_step: int, share: float) -> int | None:
+    """CheckFree+: whether microbatch `microbatch` of `step` runs with swap partners exchanged, and
+    which `swapped_order` variant; None: the natural order. A `share` of the run's microbatches spread
+    evenly (0.5: every other one, as the authors' code), and where the pairs overlap (three block
+    stages) they take turns. A function of the microbatch's place alone, so a resend keeps its order
+    and two runs under different repair rules swap the same microbatches."""
+    index = step * per_step + microbatch
+    before = math.floor(index * share)  # swaps among the microbatches before this one
+    if share <= 0 or math.floor((index + 1) * share) <= before:
         return None
-    return draw.randrange(2)
+    return before
 
 
 def plan_repair(stage: int, num_stages: int, available: set[int], rule: str) -> RepairPlan:
