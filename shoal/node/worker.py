@@ -92,7 +92,11 @@ class StageWorker(PipelineEngine):
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
         self.forwarding: set[str] = set()  # forwards accepted, not yet saved (evaluation: not yet passed on)
         self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
+        self.served: dict[str, float] = {}  # data node -> when to forget that we took its training forwards
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
+        self.graphs_starting = 0  # forwards past the step gate whose graph is not yet in live_graphs
+        self.step_gate = asyncio.Event()  # cleared while an inner step is taken: no new graph meanwhile
+        self.step_gate.set()
         self.contributors: set[str] = set()  # data nodes whose gradient has accumulated since the last step
         self.closed: set[str] = set()  # of those, the ones that have closed a step since
         self.forwards = 0
@@ -155,6 +159,8 @@ class StageWorker(PipelineEngine):
         if held >= self.node.max_inflight:  # evaluation forwards too: every kind of work has a bound
             return Ack(accepted=False, reason=f"busy: {self.node.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
+        if request.needs_backward:
+            self.served[request.origin] = self._expiry()
         self.spawn(self._forward(request, x), f"forward {mb}")
         return Ack(accepted=True)
 
@@ -203,6 +209,24 @@ class StageWorker(PipelineEngine):
         self.live_graphs += 1
         return x, y, calls
 
+    async def _gated_forward(
+        self, x: torch.Tensor, needs_backward: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[LinearCall]]:
+        """The forward pass, never across an inner step: AdamW updates the weights in place, so a graph
+        built before a step and run backward after it fails. A step waits for the graphs it would
+        corrupt, those already counted and those on their way to the compute thread; a forward that
+        comes while a step is taken (another data node's, whose clock is not ours) waits for it."""
+        if not needs_backward:
+            return await self.compute(self._run_forward, x, False, priority=FORWARD)
+        await self.step_gate.wait()
+        self.graphs_starting += 1
+        try:
+            return await self.compute(self._run_forward, x, True, priority=FORWARD)
+        finally:
+            self.graphs_starting -= 1
+            if self.graphs_starting == 0 and self.live_graphs == 0:  # a failed forward left no graph
+                self.spawn(self._maybe_step(), "deferred step")
+
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
         crash_at = self.node.config.inject_crash_at_step
         if crash_at is not None and request.step >= crash_at:  # fault injection: gone, weights and all
@@ -218,7 +242,7 @@ class StageWorker(PipelineEngine):
     async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor) -> None:
         mb = request.microbatch_id
         try:
-            x, y, calls = await self.compute(self._run_forward, x, request.needs_backward, priority=FORWARD)
+            x, y, calls = await self._gated_forward(x, request.needs_backward)
             if self.node.config.inject_forward_delay_s:  # fault injection: slower than its record claims
                 await asyncio.sleep(self.node.config.inject_forward_delay_s)
             if request.needs_backward:
@@ -488,17 +512,24 @@ class StageWorker(PipelineEngine):
             await self._maybe_step()
         epoch = self.averager.due(close.step) if self.averager is not None else None
         if epoch is not None:
-            if self.live_graphs == 0 and not self.contributors:
-                await self.averager.outer_step(epoch)
+            if self._weights_free() and not self.contributors:
+                self.step_gate.clear()  # the outer step loads new weights in place, as an inner step
+                try:
+                    await self.averager.outer_step(epoch)
+                finally:
+                    self.step_gate.set()
             else:
                 logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.node.short_id, epoch)
         return Ack(accepted=True)
 
     async def _is_data_node(self, peer_id: str) -> bool:
-        """A peer whose microbatches we hold or whose gradient we took, or a live data node in our view
-        (every live worker hears each step close, served or not). A data node that just joined may be
-        missing from a view a heartbeat old: `listed` reads it afresh (rate-limited) for a peer it lacks."""
-        if peer_id in self.contributors or any(s.origin == peer_id for s in self.saved.values()):
+        """A peer whose training microbatches we took lately (at the first hop only from the data node
+        itself) or whose gradient we hold, or a live data node in our view (every live worker hears each
+        step close, served or not). A data node that just joined may be missing from a view a heartbeat
+        old: `listed` reads it afresh (rate-limited) for a peer it lacks."""
+        if peer_id in self.served or peer_id in self.contributors:
+            return True
+        if any(s.origin == peer_id for s in self.saved.values()):
             return True
 
         def lists() -> bool:
@@ -538,18 +569,28 @@ class StageWorker(PipelineEngine):
         """Before serving a stage that has a live replica, take its weights; returns whom we copied."""
         return await copy_stage(self)
 
+    def _weights_free(self) -> bool:
+        """No forward graph lives or is being built, and no step is being taken: the weights may change."""
+        return self.live_graphs == 0 and self.graphs_starting == 0 and self.step_gate.is_set()
+
     async def _maybe_step(self) -> None:
         """Step if due and no saved graph waits for its gradient: AdamW updates weights in place,
         which would corrupt the graphs of microbatches already forwarded with the old weights."""
-        if not self.contributors or not self.contributors <= self.closed or self.live_graphs > 0:
+        if not self.contributors or not self.contributors <= self.closed:
+            return
+        if not self._weights_free():
             return
         self.contributors, self.closed = set(), set()
-        pending, self.weight_grads = self.weight_grads, []
-        await asyncio.gather(*pending)
-        stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
-        if self.attack is not None:
-            params = list(self.module.parameters())
-            await self.compute(self.attack.after_step, params, self.closed_step, priority=BACKWARD)
+        self.step_gate.clear()
+        try:
+            pending, self.weight_grads = self.weight_grads, []
+            await asyncio.gather(*pending)
+            stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
+            if self.attack is not None:
+                params = list(self.module.parameters())
+                await self.compute(self.attack.after_step, params, self.closed_step, priority=BACKWARD)
+        finally:
+            self.step_gate.set()
         self.node.inner_step = self.optimizer.step_count
         if stats.skipped:
             logger.warning("[%s] inner step %d skipped: gradient norm %s", self.node.short_id, stats.step,
@@ -604,7 +645,7 @@ class StageWorker(PipelineEngine):
         for mb in stale:
             self._drop(mb)
         self.expired += len(stale)
-        for kept in (self.sent, self.backward_done, self.forwarded):
+        for kept in (self.sent, self.backward_done, self.forwarded, self.served):
             for mb in [mb for mb, v in kept.items() if (v if isinstance(v, float) else v.expires_at) < now]:
                 del kept[mb]
         return len(stale)
