@@ -1,7 +1,8 @@
 """A data node's audits of stage replicas, and the replicas it excludes from its routes for good.
 
-At each training step, with probability `defense.audit_rate`, the data node takes the first
-microbatch of the step, picks a block stage with at least two replicas it still routes to, and sends
+At each training step of a run whose replicas average (any `averaging.mode` but "none"), with
+probability `defense.audit_rate`, the data node takes the first microbatch of the step, picks a
+block stage with at least two replicas it still routes to, and sends
 the same activation, the stage's input, to two of them (for stage s > 1, the input is what one pass
 through stages 1..s−1 returned). Their outputs come home instead of going on. The decision is the
 pure `shoal.train.audit.judge`; when the two disagree and the stage has a third replica, the third
@@ -43,7 +44,9 @@ class Auditor:
         self.driver = driver
         self.node = driver.node
         defense = driver.run.defense
-        self.rate = defense.audit_rate
+        # Replicas that never average (averaging.mode "none") drift apart for good: an audit could only
+        # fail, or blame whichever replica drifted furthest from two that happen to agree
+        self.rate = defense.audit_rate if driver.run.averaging.mode != "none" else 0.0
         self.config = AuditConfig(
             tolerance=defense.audit_tolerance,
             min_spread=defense.audit_min_spread,
