@@ -33,7 +33,7 @@ class InnerOptimizer:
         groups = [{"params": decay, "weight_decay": optim.weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        self.adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), foreach=False)
+        self.adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=True)
         self.step_count = 0
         self.skipped = 0
 
