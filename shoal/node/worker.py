@@ -97,8 +97,8 @@ class StageWorker(PipelineEngine):
         self.graphs_starting = 0  # forwards past the step gate whose graph is not yet in live_graphs
         self.step_gate = asyncio.Event()  # cleared while an inner step is taken: no new graph meanwhile
         self.step_gate.set()
-        self.contributors: set[str] = set()  # data nodes whose gradient has accumulated since the last step
-        self.closed: set[str] = set()  # of those, the ones that have closed a step since
+        # data node -> the latest of its steps whose gradient has accumulated here since our last step
+        self.contributors: dict[str, int] = {}
         self.forwards = 0
         self.backwards = 0
         self.refused = 0  # requests a peer was not entitled to send
@@ -356,7 +356,7 @@ class StageWorker(PipelineEngine):
         w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
         self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
         self.backwards += 1
-        self.contributors.add(request.origin)
+        self.contributors[request.origin] = max(self.contributors.get(request.origin, -1), request.step)
         await self._injected_delay(request)
         upstream = BackwardRequest(
             microbatch_id=request.microbatch_id,
@@ -467,8 +467,9 @@ class StageWorker(PipelineEngine):
     # ---- steps and endings ------------------------------------------------------------------------
 
     async def on_step_close(self, close: StepClose, sender: str) -> Ack:
-        """A data node's step is over. Step once every data node whose gradient we hold has closed one
-        since our last step (with one data node: exactly at its step boundary). Every H steps of the
+        """A data node's step is over. Step once every data node whose gradient we hold has closed the
+        step that gradient belongs to (with one data node: exactly at its step boundary; a close that
+        overtakes our own backward of its step counts when that backward is done). Every H steps of the
         data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch.
         Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
         if not await self._is_data_node(sender):
@@ -508,7 +509,6 @@ class StageWorker(PipelineEngine):
         ]:
             del self.sent[mb]
         if sender in self.contributors:
-            self.closed.add(sender)
             await self._maybe_step()
         epoch = self.averager.due(close.step) if self.averager is not None else None
         if epoch is not None:
@@ -576,11 +576,11 @@ class StageWorker(PipelineEngine):
     async def _maybe_step(self) -> None:
         """Step if due and no saved graph waits for its gradient: AdamW updates weights in place,
         which would corrupt the graphs of microbatches already forwarded with the old weights."""
-        if not self.contributors or not self.contributors <= self.closed:
+        if not self.contributors or any(self.closes_heard.get(d, -1) < s for d, s in self.contributors.items()):
             return
         if not self._weights_free():
             return
-        self.contributors, self.closed = set(), set()
+        self.contributors = {}
         self.step_gate.clear()
         try:
             pending, self.weight_grads = self.weight_grads, []
@@ -635,6 +635,8 @@ class StageWorker(PipelineEngine):
             self._drop(mb)
         for mb in [mb for mb, kept in self.sent.items() if kept.request.origin == origin]:
             del self.sent[mb]
+        for clock in (self.closes_heard, self.closes_handled, self.contributors):  # its new process counts anew
+            clock.pop(origin, None)
         return len(stale)
 
     def expire(self) -> int:
