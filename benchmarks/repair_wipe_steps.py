@@ -1,6 +1,6 @@
 """Where a stage is worth more: the repair rules on the live test's run, wiped before each of many steps.
 
-    .venv/bin/python benchmarks/repair_wipe_steps.py     # 10 wipe steps x 4 rules: about 40 s on one thread
+    .venv/bin/python benchmarks/repair_wipe_steps.py     # 10 wipe steps x 4 rules: about 30 s on one thread
 
 `tests/test_node_churn.py` kills the middle stage of a running swarm of real daemons at one pinned
 step and compares CheckFree+ with random re-initialisation on the same seed. This benchmark runs that
