@@ -4,6 +4,7 @@ and stage workers that refuse bad tensors and keep serving."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -35,13 +36,14 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     a forward run on the weights of the step before would part the losses from the local trainer's."""
     run = load_run_config(str(run_file))
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    workers = [swarm.start_node([entry], "--role", "worker", wait=False) for _ in range(run.pipeline.stages - 1)]
+    stats = [tmp_path / f"worker{i}.json" for i in range(run.pipeline.stages - 1)]
+    workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(path), wait=False) for path in stats]
     for worker in workers:
         swarm.wait_ready(worker)
     assert sorted(w.stage for w in workers) == list(range(1, run.pipeline.stages))
-    progress = tmp_path / "progress.jsonl"
-    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
-                     "--inject-close-delay", str(close_delay))  # fmt: skip
+    progress, data_stats = tmp_path / "progress.jsonl", tmp_path / "data.json"
+    data = swarm.start_node([entry], "--role", "data", "--progress-file", str(progress),
+                            "--inject-close-delay", str(close_delay), "--stats-file", str(data_stats))  # fmt: skip
     done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
 
     reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()
@@ -59,6 +61,16 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     assert done["microbatches_completed"] + done["microbatches_abandoned"] == done["microbatches_injected"]
     assert done["microbatches_abandoned"] == 0
     assert swarm_losses[-1] < swarm_losses[0]
+
+    # each worker's step closes came on one kept stream (a close sent again is answered, never handled
+    # twice), and each worker stepped once per step
+    assert swarm.stop(data) == 0
+    for worker in workers:
+        assert swarm.stop(worker) == 0
+    engine = json.loads(data_stats.read_text())["engine"]
+    assert engine["kept_streams_dead"] == 0
+    assert engine["streams_opened_by_rpc"]["rpc_step_close"] == len(workers)
+    assert [json.loads(path.read_text())["engine"]["inner_steps"] for path in stats] == [run.train.steps] * len(workers)
 
 
 def test_a_close_stuck_in_a_worker_holds_the_next_steps_forwards_no_longer_than_the_data_nodes_patience(

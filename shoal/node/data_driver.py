@@ -26,7 +26,7 @@ from shoal.node.auditor import Auditor
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward, step_close_patience_s
 from shoal.node.ledger import MicrobatchLedger
-from shoal.node.transport import FramedStream, call
+from shoal.node.transport import FramedStream, call, pooled_call
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
@@ -298,7 +298,9 @@ class DataDriver(PipelineEngine):
         The next step need not wait for them: a worker holds a forward of step s until it has handled
         our close of step s-1 (stepped and, every H steps, averaged), so it never runs on stale
         weights, while our embedding and first hop of the next step overlap its inner step. The close
-        goes out on its own stream and may arrive after the forwards it precedes."""
+        goes out on a stream of its own and may arrive after the forwards it precedes; that stream is
+        kept for the next step's close, since opening one (a round trip and a protocol negotiation)
+        would lie on every step's critical path: the worker's step, and so the next forward, waits for it."""
         close = StepClose(step=step, completed=completed, abandoned=abandoned)
         view = self.node.view
         live = {n.peer_id for n in view.live_nodes()} if view is not None else set()
@@ -311,7 +313,7 @@ class DataDriver(PipelineEngine):
                 await asyncio.sleep(self.node.config.inject_close_delay_s)
             try:
                 timeout_s = step_close_patience_s(self.run.averaging.exchange_timeout_s)
-                await call(self.node.dht.p2p, peer, "rpc_step_close", close, Ack, timeout_s=timeout_s)
+                await pooled_call(self.streams, peer, "rpc_step_close", close, Ack, timeout_s)
             except Exception as e:
                 logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)
 

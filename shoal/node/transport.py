@@ -5,9 +5,9 @@ request message (and, for pipeline calls, tensors as a header frame plus raw chu
 reads the reply. Every read has a deadline and a size bound checked before the payload is read,
 and every failure a handler meets becomes an `ErrorReply` for the caller, never a dead daemon.
 
-The pipeline's hops (`KEEP_ALIVE_RPCS`) keep their stream: after an accepted reply the server reads
-the next request on it, and the caller puts it in its `StreamPool` for the next hop to the same
-peer. Opening a libp2p stream costs a round trip through both daemons and a protocol negotiation,
+The pipeline's hops and step closes (`KEEP_ALIVE_RPCS`) keep their stream: after an accepted reply
+the server reads the next request on it, and the caller puts it in its `StreamPool` for the next
+call to the same peer. Opening a libp2p stream costs a round trip through both daemons and a protocol negotiation,
 about a tenth of a 1 MiB hop on loopback. Only an accepted exchange leaves a stream reusable (both
 ends then know every byte was read); anything else closes it, as before.
 """
@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 FRAME_LENGTH_BYTES = 4
 MAX_FRAME_BYTES = max(MAX_MESSAGE_BYTES, CHUNK_BYTES)
 HANDLER_PREFIX = "shoal."
-KEEP_ALIVE_RPCS = frozenset({"rpc_forward", "rpc_backward"})  # the hot path: a stream serves many hops
+# the hot path: a stream serves many hops, and a data node's step closes (one per step and worker)
+KEEP_ALIVE_RPCS = frozenset({"rpc_forward", "rpc_backward", "rpc_step_close"})
 POOL_IDLE_S = 20.0  # a caller reuses a kept stream idle at most this long
 SERVE_IDLE_S = 60.0  # a server waits this long for the next request on a kept stream (> POOL_IDLE_S)
 POOL_PER_KEY = 4  # idle streams kept per (peer, rpc)
@@ -251,6 +252,7 @@ class StreamPool:
         self.p2p, self.per_key, self.idle_s = p2p, per_key, idle_s
         self._idle: dict[tuple[str, str], list[tuple[float, FramedStream]]] = {}
         self.opened = 0
+        self.opened_by_rpc: Counter[str] = Counter()
         self.reused = 0
         self.found_dead = 0  # kept streams that failed on use (the caller replaced them with a fresh one)
 
@@ -267,6 +269,7 @@ class StreamPool:
             stream.close()
         stream = await open_call(self.p2p, peer, rpc, timeout_s)
         self.opened += 1
+        self.opened_by_rpc[rpc] += 1
         return stream, False
 
     def give_back(self, peer: str, rpc: str, stream: FramedStream) -> None:
@@ -283,7 +286,12 @@ class StreamPool:
         self._idle.clear()
 
     def stats(self) -> dict[str, int]:
-        return {"streams_opened": self.opened, "streams_reused": self.reused, "kept_streams_dead": self.found_dead}
+        return {
+            "streams_opened": self.opened,
+            "streams_opened_by_rpc": dict(self.opened_by_rpc),
+            "streams_reused": self.reused,
+            "kept_streams_dead": self.found_dead,
+        }
 
 
 async def read_reply(stream: FramedStream, expected: type) -> Any:
@@ -304,3 +312,34 @@ async def call(
         return await read_reply(stream, expected)
     finally:
         stream.close()
+
+
+async def pooled_call(
+    pool: StreamPool, peer: str, rpc_name: str, request: object, expected: type, timeout_s: float
+) -> Any:
+    """A unary call on a kept stream (`rpc_name` in `KEEP_ALIVE_RPCS`): one request, one reply.
+
+    A kept stream found dead (it ended or broke) is replaced by a fresh one at once, so the peer may
+    get the request twice: such an rpc must take a repeat as already done. A reply that does not come
+    in time is not retried: the peer has the request and is still at it. An accepted reply leaves the stream for
+    the next call; any other ends it."""
+    for fresh in (False, True):
+        stream, kept = await pool.take(peer, rpc_name, timeout_s, fresh=fresh)
+        try:
+            await stream.write_message(request)
+            reply = await read_reply(stream, expected)
+        except (RemoteError, TimeoutError):  # an answer, or none in time: a live stream, nothing to retry
+            stream.close()
+            raise
+        except Exception:
+            stream.close()
+            if kept and not fresh:
+                pool.found_dead += 1
+                continue
+            raise
+        if getattr(reply, "accepted", False) is True:
+            pool.give_back(peer, rpc_name, stream)
+        else:
+            stream.close()
+        return reply
+    raise AssertionError("unreachable: the fresh stream's outcome is returned or raised")

@@ -474,6 +474,8 @@ class StageWorker(PipelineEngine):
         Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
         if not await self._is_data_node(sender):
             return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
+        if close.step == self.closes_heard.get(sender, -1):  # sent again: its kept stream failed after we heard it
+            return await self._close_again(close, sender)
         await self._record_close(self.closes_heard, sender, close.step)
         try:
             stall = self.node.config.inject_close_stall
@@ -488,6 +490,18 @@ class StageWorker(PipelineEngine):
             return await self._handle_close(close, sender)
         finally:
             await self._record_close(self.closes_handled, sender, close.step)
+
+    async def _close_again(self, close: StepClose, sender: str) -> Ack:
+        """A close heard before is answered once handled, never handled twice (a second inner step)."""
+        patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
+        async with self._close_news:
+            try:
+                await asyncio.wait_for(
+                    self._close_news.wait_for(lambda: self.closes_handled.get(sender, -1) >= close.step), patience_s
+                )
+            except TimeoutError:
+                return Ack(accepted=False, reason=f"the close of step {close.step} is still being handled")
+        return Ack(accepted=True)
 
     async def _record_close(self, record: dict[str, int], sender: str, step: int) -> None:
         async with self._close_news:
