@@ -6,14 +6,15 @@ import asyncio
 import time
 
 import pytest
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity, peer_id_of
-from shoal.dht.keys import DEFAULT_RUN_KEY, nodes_key, run_key
+from shoal.dht.keys import DEFAULT_RUN_KEY, key_id, nodes_key, run_key
 from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
+from shoal.dht.validator import check_run_record
 from shoal.errors import UsageError
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,3 +198,22 @@ def test_identity_file_keeps_peer_id_and_signing_key(tmp_path):
     (tmp_path / "junk.id").write_bytes(b"not a key")
     with pytest.raises(UsageError, match="not a libp2p RSA identity"):
         load_identity(str(tmp_path / "junk.id"))
+
+
+def test_a_run_record_is_checked_once_per_content_and_a_refusal_is_never_kept():
+    """Every view refresh reads the run record again: its config parse and signature check are done
+    once for the same bytes under the same key, while a forged variant is refused every time."""
+    key = RSAPrivateKey()
+    record = run_record(RUN, key, claimed_at=1000.0)
+    record_key = key_id(run_key(RUN.name))
+    value = MSGPackSerializer.dumps(record)
+    forged = MSGPackSerializer.dumps(dict(record, published_at=1.0))
+    check_run_record.cache_clear()
+    for _ in range(3):
+        check_run_record(record_key, value)
+        with pytest.raises(ValueError, match="not signed by its publisher"):
+            check_run_record(record_key, forged)
+    with pytest.raises(ValueError, match="under a foreign key"):
+        check_run_record(key_id(run_key("another-run")), value)
+    info = check_run_record.cache_info()
+    assert (info.hits, info.currsize) == (2, 1)

@@ -15,6 +15,7 @@ Anything else is refused: this DHT holds shoal records only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -62,19 +63,28 @@ class ShoalRecordValidator(RecordValidatorBase):
             if node.peer_id != signer:
                 raise ValueError(f"node record names peer {node.peer_id} but is signed by peer {signer}")
         elif kind == "run":
-            run = check_exact(RunRecord, value)
-            if record.key not in (key_id(run_key(run.name)), key_id(DEFAULT_RUN_KEY)):
-                raise ValueError(f"run record {run.name!r} under a foreign key")
-            try:
-                config = parse_run_config(run.toml, source="published run config")
-            except ConfigError as e:
-                raise ValueError(f"invalid run config: {e}") from None
-            if config.run_id != run.run_id or config.name != run.name:
-                raise ValueError(f"run config does not hash to its run id {run.run_id}")
-            verify_claim(value)
+            check_run_record(record.key, record.value)
         else:
             raise ValueError(f"not a shoal record (kind={kind!r})")
 
     @property
     def priority(self) -> int:
         return 0  # after the signature check (priority 10), which strips the signature for us
+
+
+@functools.lru_cache(maxsize=64)
+def check_run_record(key: bytes, value: bytes) -> None:
+    """A run record is read on every view refresh, by every peer, and checking one parses its whole
+    run config and verifies a signature: the verdict on the same bytes under the same key is kept
+    (a refusal raises, so only records that passed are)."""
+    record = MSGPackSerializer.loads(value)
+    run = check_exact(RunRecord, record)
+    if key not in (key_id(run_key(run.name)), key_id(DEFAULT_RUN_KEY)):
+        raise ValueError(f"run record {run.name!r} under a foreign key")
+    try:
+        config = parse_run_config(run.toml, source="published run config")
+    except ConfigError as e:
+        raise ValueError(f"invalid run config: {e}") from None
+    if config.run_id != run.run_id or config.name != run.name:
+        raise ValueError(f"run config does not hash to its run id {run.run_id}")
+    verify_claim(record)
