@@ -576,7 +576,7 @@ def markdown(r: dict) -> str:
         "",
         (
             f"Target: the swarm at ≥ {target} of the local trainer at equal steps and CPU budget. This run "
-            f"{verdict} it: **{statistics.median(steady):.2f}** in steady state, {statistics.median(whole):.2f} "
+            f"{verdict} it: **{statistics.median(steady):.3f}** in steady state, {statistics.median(whole):.3f} "
             "over the whole run."
             if local_share_min >= MIN_LOCAL_CPU_SHARE
             else f"**No verdict from this run**: the local trainer, CPU-bound by construction, got as little as "
