@@ -164,8 +164,15 @@ def local_run(run_file: Path, cores: set[int], workdir: Path) -> dict:
 # ---- the swarm side ----------------------------------------------------------------------------------
 
 
-def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path, threads: int = 1) -> dict:
+def swarm_run(
+    run_file: Path, steps: int, cores: set[int], workdir: Path, threads: int = 1, trace_dir: Path | None = None
+) -> dict:
+    """One swarm run; with `trace_dir`, every node traces its compute jobs to `trace_dir/<name>.txt`."""
     run = load_run_config(str(run_file))
+
+    def traced(name: str) -> list[str]:
+        return ["--compute-trace", str(trace_dir / f"{name}.txt")] if trace_dir is not None else []
+
     assert run.train.steps == steps, f"run file trains {run.train.steps} steps, not {steps}"
     work = workdir / f"swarm-{time.monotonic_ns()}"
     swarm = LocalSwarm(work, log_level="WARNING")
@@ -184,6 +191,7 @@ def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path, thread
                 str(work / f"worker{i}.json"),
                 "--threads",
                 str(threads),
+                *traced(f"worker{i}"),
                 wait=False,
                 name=f"worker{i}",
             )
@@ -193,7 +201,7 @@ def swarm_run(run_file: Path, steps: int, cores: set[int], workdir: Path, thread
             swarm.wait_ready(worker)
         swarm.start_node(
             [entry], "--role", "data", "--progress-file", str(progress), "--stats-file", str(work / "data.json"),
-            "--threads", str(threads), name="data",
+            "--threads", str(threads), *traced("data"), name="data",
         )  # fmt: skip
 
         def snapshot(label: str) -> None:

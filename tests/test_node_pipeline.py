@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -37,7 +38,11 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     run = load_run_config(str(run_file))
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = [tmp_path / f"worker{i}.json" for i in range(run.pipeline.stages - 1)]
-    workers = [swarm.start_node([entry], "--role", "worker", "--stats-file", str(path), wait=False) for path in stats]
+    traces = [path.with_suffix(".trace") for path in stats]
+    workers = [
+        swarm.start_node([entry], "--role", "worker", "--stats-file", str(s), "--compute-trace", str(t), wait=False)
+        for s, t in zip(stats, traces, strict=True)
+    ]
     for worker in workers:
         swarm.wait_ready(worker)
     assert sorted(w.stage for w in workers) == list(range(1, run.pipeline.stages))
@@ -71,6 +76,9 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     assert engine["kept_streams_dead"] == 0
     assert engine["streams_opened_by_rpc"]["rpc_step_close"] == len(workers)
     assert [json.loads(path.read_text())["engine"]["inner_steps"] for path in stats] == [run.train.steps] * len(workers)
+    for trace in traces:  # every compute job traced: start, end, job, CPU seconds
+        jobs = Counter(line.split()[2] for line in trace.read_text().splitlines())
+        assert jobs["step"] == run.train.steps and jobs["_run_backward"] == run.train.steps * run.microbatches_per_step
 
 
 def test_a_close_stuck_in_a_worker_holds_the_next_steps_forwards_no_longer_than_the_data_nodes_patience(

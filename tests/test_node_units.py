@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -52,6 +53,30 @@ def test_compute_thread_runs_backward_before_queued_forwards_and_reports_errors(
         return order
 
     assert asyncio.run(scenario()) == ["b1", "b2", "f1", "f2", "step"]
+
+
+def test_compute_thread_traces_each_job_on_the_monotonic_clock(tmp_path):
+    trace = tmp_path / "trace.txt"
+
+    def spin() -> None:
+        until = time.thread_time() + 0.02
+        while time.thread_time() < until:
+            pass
+
+    async def scenario() -> tuple[float, float]:
+        thread = ComputeThread(trace_path=str(trace))
+        before = time.monotonic()
+        await thread.run(FORWARD, spin)
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(BACKWARD, lambda: 1 / 0)
+        thread.shutdown()
+        return before, time.monotonic()
+
+    before, after = asyncio.run(scenario())
+    rows = [line.split() for line in trace.read_text().splitlines()]
+    assert [row[2] for row in rows] == ["spin", "<lambda>"]  # a failed job is traced too
+    start, end, cpu_s = float(rows[0][0]), float(rows[0][1]), float(rows[0][3])
+    assert before <= start < end <= after and end - start >= cpu_s >= 0.02
 
 
 def _node(peer: str, stage: int, throughput: float, state: str = "active") -> NodeInfo:

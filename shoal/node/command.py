@@ -175,6 +175,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stats-file", default=None, metavar="PATH", help="write counters here at shutdown")
     parser.add_argument(
+        "--compute-trace",
+        default=None,
+        metavar="PATH",
+        help="append a line per compute job here (start and end on the system's monotonic clock, the job, "
+        "its thread CPU seconds): for profiling a pipeline (benchmarks/pipeline_trace.py)",
+    )
+    parser.add_argument(
         "--probe-file",
         default=None,
         metavar="PATH",
@@ -257,6 +264,7 @@ def node_config(args: argparse.Namespace):
         ready_file=args.ready_file,
         progress_file=args.progress_file,
         stats_file=args.stats_file,
+        compute_trace=args.compute_trace,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         stage=args.stage,

@@ -5,6 +5,10 @@ a stage computes. Work is taken by priority: a gradient waiting to flow back rel
 unblocks upstream peers sooner than one more forward would (the 1F1B idea), so backward goes first.
 Weight gradients, which no other peer waits for (zero-bubble pipelining's W pass), come after
 both, in the time a stage would otherwise sit idle while the pipeline drains.
+
+With a trace path, every job appends a line `start end job cpu_s`: start and end on the system's
+monotonic clock (one clock for all processes of a machine, so the traces of a swarm on loopback line
+up), and the thread CPU seconds it took (less than end - start when other processes had the core).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,9 +27,10 @@ BACKWARD, FORWARD, WEIGHT_GRAD, BACKGROUND = 0, 1, 2, 3
 
 
 class ComputeThread:
-    def __init__(self, name: str = "compute"):
+    def __init__(self, name: str = "compute", trace_path: str | None = None):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115 (closed at shutdown)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -34,12 +40,16 @@ class ComputeThread:
             if job is None:
                 return
             loop, future, fn, args = job
+            started, cpu_started = time.monotonic(), time.thread_time()
             try:
                 result = fn(*args)
             except BaseException as e:  # handed to the awaiting coroutine, never lost
                 loop.call_soon_threadsafe(_settle, future, None, e)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
+            if self._trace is not None:
+                cpu_s = time.thread_time() - cpu_started
+                self._trace.write(f"{started:.6f} {time.monotonic():.6f} {job_name(fn)} {cpu_s:.6f}\n")
 
     def run(self, priority: int, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -50,6 +60,13 @@ class ComputeThread:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._queue.put((BACKGROUND + 1, next(self._order), None))
         self._thread.join(timeout_s)
+        if self._trace is not None and not self._thread.is_alive():
+            self._trace.close()
+
+
+def job_name(fn: Callable[..., Any]) -> str:
+    """A job's name in a trace: its function's, without the class (`_run_forward`, `accumulate`)."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

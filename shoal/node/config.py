@@ -43,6 +43,7 @@ class NodeConfig:
     ready_file: str | None = None
     progress_file: str | None = None  # data nodes append one JSON line per step here
     stats_file: str | None = None  # written at shutdown: counters, traffic, memory
+    compute_trace: str | None = None  # append a line per compute job: start, end, job, thread CPU seconds
     metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port; None: off)
     metrics_host: str = "127.0.0.1"
     # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step

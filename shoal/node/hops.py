@@ -73,7 +73,7 @@ class PipelineEngine:
         self.node = node
         self.run = node.run
         self.wire_dtype = self.run.pipeline.wire_dtype
-        self.compute_thread = ComputeThread(f"compute-{node.short_id}")
+        self.compute_thread = ComputeThread(f"compute-{node.short_id}", trace_path=node.config.compute_trace)
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
