@@ -7,8 +7,8 @@ and every failure a handler meets becomes an `ErrorReply` for the caller, never 
 
 The pipeline's hops and step closes (`KEEP_ALIVE_RPCS`) keep their stream: after an accepted reply
 the server reads the next request on it, and the caller puts it in its `StreamPool` for the next
-call to the same peer. Opening a libp2p stream costs a round trip through both daemons and a protocol negotiation,
-about a tenth of a 1 MiB hop on loopback. Only an accepted exchange leaves a stream reusable (both
+call to the same peer. Opening a libp2p stream costs a round trip through both daemons and a
+protocol negotiation, about a tenth of a 1 MiB hop on loopback. Only an accepted exchange leaves a stream reusable (both
 ends then know every byte was read); anything else closes it, as before.
 """
 
@@ -285,7 +285,7 @@ class StreamPool:
                 stream.close()
         self._idle.clear()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {
             "streams_opened": self.opened,
             "streams_opened_by_rpc": dict(self.opened_by_rpc),
@@ -321,8 +321,8 @@ async def pooled_call(
 
     A kept stream found dead (it ended or broke) is replaced by a fresh one at once, so the peer may
     get the request twice: such an rpc must take a repeat as already done. A reply that does not come
-    in time is not retried: the peer has the request and is still at it. An accepted reply leaves the stream for
-    the next call; any other ends it."""
+    in time is not retried: the peer has the request and is still at it. An accepted reply leaves
+    the stream for the next call; any other ends it."""
     for fresh in (False, True):
         stream, kept = await pool.take(peer, rpc_name, timeout_s, fresh=fresh)
         try:
@@ -333,7 +333,7 @@ async def pooled_call(
             raise
         except Exception:
             stream.close()
-            if kept and not fresh:
+            if kept:
                 pool.found_dead += 1
                 continue
             raise
