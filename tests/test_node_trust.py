@@ -145,7 +145,7 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
             else:
                 raise AssertionError("the step close was never taken")
             # sent again (as a data node does when the kept stream it used turns out dead): answered, and
-            # not handled again (inner_steps stays 1 below)
+            # no second inner step (inner_steps stays 1 below)
             assert (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted
             await asyncio.sleep(1.0)
             y = torch.randn(2, 8, MODEL.d_model)  # the worker still serves, with finite weights

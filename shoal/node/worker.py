@@ -474,7 +474,8 @@ class StageWorker(PipelineEngine):
         Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
         if not await self._is_data_node(sender):
             return Ack(accepted=False, reason=self._refuse(sender, f"step {close.step}", "not a data node of this run"))
-        if close.step == self.closes_heard.get(sender, -1):  # sent again: its kept stream failed after we heard it
+        heard, handled = self.closes_heard.get(sender, -1), self.closes_handled.get(sender, -1)
+        if handled < close.step == heard:  # sent again while we handle it (its kept stream failed after we heard it)
             return await self._close_again(close, sender)
         await self._record_close(self.closes_heard, sender, close.step)
         try:
@@ -492,7 +493,9 @@ class StageWorker(PipelineEngine):
             await self._record_close(self.closes_handled, sender, close.step)
 
     async def _close_again(self, close: StepClose, sender: str) -> Ack:
-        """A close heard before is answered once handled, never handled twice (a second inner step)."""
+        """A close we are still handling is answered once handled, not handled twice at once. Once
+        handled, a close sent again is handled as any (it finds nothing left to step or average), which
+        is also right for a data node that restarted and redid that step before our view noticed."""
         patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
         async with self._close_news:
             try:
