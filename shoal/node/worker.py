@@ -187,15 +187,21 @@ class StageWorker(PipelineEngine):
                 logger.info("[%s] %s: no close of step %d came from its data node; forwarding on the weights we "
                             "have", self.node.short_id, request.microbatch_id, previous)  # fmt: skip
                 return
-            patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
-            try:
-                await asyncio.wait_for(
-                    self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= previous), patience_s
-                )
-            except TimeoutError:
+            if not await self._handled_in_time(origin, previous):
                 logger.warning("[%s] %s: the close of step %d is still being handled after %.0f s; forwarding "
                                "on the weights we have", self.node.short_id, request.microbatch_id, previous,
-                               patience_s)  # fmt: skip
+                               step_close_patience_s(self.node.run.averaging.exchange_timeout_s))  # fmt: skip
+
+    async def _handled_in_time(self, origin: str, step: int) -> bool:
+        """Whether `origin`'s close of `step` is handled within its patience (`_close_news` held)."""
+        patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
+        try:
+            await asyncio.wait_for(
+                self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= step), patience_s
+            )
+        except TimeoutError:
+            return False
+        return True
 
     def _run_forward(
         self, x: torch.Tensor, needs_backward: bool
@@ -496,13 +502,8 @@ class StageWorker(PipelineEngine):
         """A close we are still handling is answered once handled, not handled twice at once. Once
         handled, a close sent again is handled as any (it finds nothing left to step or average), which
         is also right for a data node that restarted and redid that step before our view noticed."""
-        patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
         async with self._close_news:
-            try:
-                await asyncio.wait_for(
-                    self._close_news.wait_for(lambda: self.closes_handled.get(sender, -1) >= close.step), patience_s
-                )
-            except TimeoutError:
+            if not await self._handled_in_time(sender, close.step):
                 return Ack(accepted=False, reason=f"the close of step {close.step} is still being handled")
         return Ack(accepted=True)
 
