@@ -89,3 +89,45 @@ def test_framed_stream_refuses_an_oversized_frame_before_reading_it():
             await stream.read_frame(max_bytes=1024)
 
     asyncio.run(scenario())
+
+
+def test_a_message_and_a_tensor_go_in_one_write_per_chunk_and_read_back_whole():
+    """A hop writes its request, the tensor's header and its first chunk at once (one system call to
+    the p2p daemon, not six); a tensor of several chunks follows one write per chunk. The reader sees
+    the same frames as from separate writes, and an idle or closed kept stream ends cleanly."""
+    import socket
+
+    import torch
+
+    from shoal.node.transport import EndOfStream
+    from shoal.protocol.limits import CHUNK_BYTES
+    from shoal.protocol.tensors import TensorSpec
+
+    async def scenario():
+        left, right = socket.socketpair()
+        reader, left_writer = await asyncio.open_connection(sock=left)  # (a writer dropped closes its socket)
+        right_reader, writer = await asyncio.open_connection(sock=right)
+        writes = []
+        writelines = writer.writelines
+        writer.writelines = lambda parts: (writes.append(sum(len(p) for p in parts)), writelines(parts))[1]
+        sender, receiver = FramedStream(None, writer, timeout_s=5), FramedStream(reader, None, timeout_s=5)  # type: ignore[arg-type]
+
+        tensor = torch.randn(5 * CHUNK_BYTES // 8)  # three chunks: 2 + 2 + 1 MiB
+        reading = asyncio.ensure_future(_read_message_and_tensor(receiver))
+        sent = await sender.write_tensor(tensor, "float32", leading=(Ping(sent_at=1.5, nonce=7),))
+        ping, received = await reading
+        assert (ping.nonce, ping.sent_at) == (7, 1.5) and torch.equal(received, tensor) and sent == tensor.nbytes
+        assert len(writes) == 3 and writes[0] > CHUNK_BYTES and writes[1] == CHUNK_BYTES + 4
+
+        with pytest.raises(EndOfStream, match="idle"):
+            await receiver.read_message(Ping, wait_s=0.05)
+        writer.close()
+        with pytest.raises(EndOfStream, match="closed"):
+            await receiver.read_message(Ping, wait_s=1)
+        left_writer.close()
+
+    async def _read_message_and_tensor(stream: FramedStream):
+        message = await stream.read_message(Ping)
+        return message, await stream.read_tensor(TensorSpec("float32", (None,)), max_bytes=8 * CHUNK_BYTES)
+
+    asyncio.run(scenario())

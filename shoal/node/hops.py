@@ -176,8 +176,7 @@ class PipelineEngine:
             except Exception as e:
                 raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
             try:
-                await stream.write_message(request)
-                sent = await stream.write_tensor(tensor, self.wire_dtype)
+                sent = await stream.write_tensor(tensor, self.wire_dtype, leading=(request,))
                 ack = await read_reply(stream, Ack)
                 break
             except RemoteError as e:
@@ -224,8 +223,7 @@ class PipelineEngine:
         if tensor is None:
             await stream.write_message(Ack(accepted=False, reason=reason))
             return
-        await stream.write_message(Ack(accepted=True))
-        self.traffic.bytes_sent += await stream.write_tensor(tensor, self.wire_dtype)
+        self.traffic.bytes_sent += await stream.write_tensor(tensor, self.wire_dtype, leading=(Ack(accepted=True),))
         self.traffic.tensors_sent += 1
 
     def replacement(self, stage: int, exclude: set[str], prev: str, nxt: str) -> str | None:
