@@ -29,3 +29,8 @@ def write_section(name: str, markdown: str, doc: Path = DOC) -> Path:
     tmp.write_text(text)
     os.replace(tmp, doc)
     return doc
+
+
+def wall_time(seconds: float) -> str:
+    """A benchmark's run time for its "Reproduce" line: seconds under two minutes, else minutes."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"

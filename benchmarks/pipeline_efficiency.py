@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from docs_section import DOC, write_section
+from docs_section import DOC, wall_time, write_section
 
 from shoal.config import load_run_config
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
@@ -550,7 +550,7 @@ def markdown(r: dict) -> str:
         "# Pipeline efficiency: the swarm against the single-process trainer"
         + ("" if r["run"] == "tiny" else f" (run `{r['run']}`)"),
         "",
-        f"Reproduce: `{r['command']}` ({r['wall_s'] / 60:.0f} min here). Run `{r['run']}` "
+        f"Reproduce: `{r['command']}` ({wall_time(r['wall_s'])} here). Run `{r['run']}` "
         f"({r['params']:,} parameters, {r['stages']} stages, batch {r['batch']} sequences of {r['seq_len']} tokens in "
         f"{r['microbatches_per_step']} microbatches, float32 on the wire). Both sides train the same "
         f"{r['steps_local']} steps on the same batches, {r['repeats']} alternating repeats; median (min–max). "

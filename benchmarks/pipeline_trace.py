@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from docs_section import DOC, write_section
+from docs_section import DOC, wall_time, write_section
 from pipeline_efficiency import pin, side_rates, swarm_run
 
 from shoal.config import load_run_config
@@ -111,7 +111,7 @@ def markdown(r: dict) -> str:
     lines = [
         "## Pipeline trace: where the swarm's step goes",
         "",
-        f"Reproduce: `{r['command']}` ({r['wall_s'] / 60:.0f} min here). Run `{r['run']}`, one replica per stage "
+        f"Reproduce: `{r['command']}` ({wall_time(r['wall_s'])} here). Run `{r['run']}`, one replica per stage "
         f"({r['stages']} stages, {r['microbatches_per_step']} microbatches per step), {r['steps']} steps on "
         f"{len(r['cores'])} cores, one torch thread per node, every node tracing its compute jobs "
         f"(`--compute-trace`); the first {r['warmup_steps']} steps left out. One run; {r['tokens_per_s']:,.0f} "
