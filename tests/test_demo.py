@@ -33,7 +33,7 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_a_stage_wipe_and_writes_t
             "--kill-stage",
             "2",
             "--at-step",
-            "20",
+            "10",  # the wipe lands up to ~13 steps later (the demo polls), before step 30 even on fast cores
             "--repair",
             "checkfree_plus",
             "--report",
@@ -57,11 +57,13 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_a_stage_wipe_and_writes_t
     assert report["wipe"]["stage"] == 2 and len(report["wipe"]["peer_ids"]) == 2
     (repair,) = report["repairs"]  # the new node copied stage 2's swap partner, stage 1
     assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "copy_partner", [1])
-    assert repair["step"] >= 20 and repair["loss_before"] is not None and repair["loss_after"] is not None
+    assert repair["step"] >= 10 and repair["loss_before"] is not None and repair["loss_after"] is not None
     states = [n["state"] for n in report["nodes"]]
     assert states.count("crashed") == 3 and states.count("stopped") == len(states) - 3
     assert all(n["exit_code"] == 0 for n in report["nodes"] if n["state"] == "stopped")
     assert report["microbatches_abandoned"] == 0  # the crash cost re-sends and redone hops, not microbatches
     averaging = report["averaging"]
     assert averaging["mode"] == "noloco" and set(averaging["stages"]) == {"1", "2"}
-    assert all(stage["outer_steps"] >= 2 for stage in averaging["stages"].values())  # 48 steps, H = 10
+    # 48 steps, H = 10: the rebuilt stage's replica averages after steps 30 and 40 at least (after a
+    # wipe at step 20 it landed at 29 on faster cores, and its newcomer then averaged once or never)
+    assert all(stage["outer_steps"] >= 2 for stage in averaging["stages"].values())
