@@ -158,14 +158,17 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
 
     node, tokenizer = nodes[0], SPEC.tokenizer()
     wait_until(lambda: len([e for e in progress_events(progress[0]) if e["event"] == "round"]) >= 2, 60, "2 rounds")
-    future = max(e["round"] for e in progress_events(progress[0]) if e["event"] == "round") + 4
-    assert future < ROUNDS, future
     one = Completion(prompt_index=0, tokens=(2, tokenizer.eos_id), logprobs=(-0.5, -0.1))
-    good = RolloutBundle(SPEC.task, future, SPEC.model_id, tokenizer.tokenizer_id, (one, one), run.run_id, (1.0, 1.0))
     peer_id = json.loads(node.ready_file.read_text())["peer_id"]
 
     async def scenario() -> list:
         client = await SwarmDHT.create(load_identity(None), initial_peers=[entry])
+        # a round still open when the bundles arrive: read after the client joined (seconds, on fast cores
+        # several rounds), so the refusals are for the claims and not for a closed round
+        future = max(e["round"] for e in progress_events(progress[0]) if e["event"] == "round") + 4
+        assert future < ROUNDS, future
+        good = RolloutBundle(SPEC.task, future, SPEC.model_id, tokenizer.tokenizer_id, (one, one), run.run_id,
+                             (1.0, 1.0))  # fmt: skip
         try:
             replies: list = []
             for claims in ((1.0,), (1.0, 7.0)):  # one claim for two completions; a claim over the full reward
@@ -205,9 +208,10 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
     # What the lie visibly does here: believed, it drives the right answers out (two runs, last 6 rounds:
     # 12 % and 16 % correct undefended, 45 % and 43 % defended). The sum plus one itself spreads only a
     # little (a shift of a prompt-dependent digit is slow to learn, unlike the trigger): 15 % and 21 %
-    # undefended against 9 % and 15 % defended, so only its direction is asserted.
+    # undefended against 9 % and 15 % defended; a third run had 13.8 % against 14.1 %: its direction is
+    # within one run's noise, so it is printed, not asserted.
+    print(f"reward-lie: the sum plus one undefended {off:.3f}, defended {on:.3f}")
     assert right[0] < 0.5 * right[1], right
-    assert off > on, (off, on)
     assert len(off_events) == len(on_events) == ROUNDS  # the refused bundles cost no round
 
 
