@@ -6,7 +6,14 @@ import torch
 from shoal.model.config import ModelConfig
 from shoal.model.llama import Llama
 from shoal.model.split_backward import input_grad_first, recording_linears
-from shoal.model.stages import build_all_stages, build_stage, forward_route, hop_by_hop_step, stage_layers
+from shoal.model.stages import (
+    build_all_stages,
+    build_stage,
+    forward_route,
+    hop_by_hop_step,
+    over_the_wire,
+    stage_layers,
+)
 
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16)
 
@@ -65,6 +72,35 @@ def test_hop_by_hop_gradients_match_one_graph():
     for a, b in zip([head_a, *blocks_a], [head_b, *blocks_b], strict=True):
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_narrow_wire_rounds_the_activation_out_and_its_gradient_back():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    grad = torch.randn(2, 3, 8)
+    y = over_the_wire(x, torch.bfloat16)
+    y.backward(grad)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, x.detach().to(torch.bfloat16).float()) and not torch.equal(y, x.detach())
+    assert torch.equal(x.grad, grad.to(torch.bfloat16).float()) and not torch.equal(x.grad, grad)
+    assert over_the_wire(x, torch.float32) is x  # a float32 wire costs nothing
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_the_one_graph_route_rounds_at_every_hop_as_the_hop_by_hop_step_does(wire):
+    """The reference trainer (one graph) trains what the swarm trains over a narrow wire."""
+    tokens, targets = _batch(1)
+    head_a, blocks_a = build_all_stages(CFG, 4, seed=3)
+    head_b, blocks_b = build_all_stages(CFG, 4, seed=3)
+    head_c, blocks_c = build_all_stages(CFG, 4, seed=3)
+    forward_route(head_a, blocks_a, tokens, targets, wire_dtype=wire).mul(0.5).backward()
+    hop_by_hop_step(head_b, blocks_b, tokens, targets, loss_scale=0.5, wire_dtype=wire)
+    forward_route(head_c, blocks_c, tokens, targets).mul(0.5).backward()
+    apart_from_float32 = 0.0
+    for a, b, c in zip([head_a, *blocks_a], [head_b, *blocks_b], [head_c, *blocks_c], strict=True):
+        for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters(), strict=True):
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
+            apart_from_float32 = max(apart_from_float32, float((pa.grad - pc.grad).abs().max()))
+    assert apart_from_float32 > 1e-5  # the rounding is really there
 
 
 def test_building_a_stage_is_deterministic_and_independent_of_global_rng():

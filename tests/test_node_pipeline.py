@@ -4,6 +4,7 @@ and stage workers that refuse bad tensors and keep serving."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 
@@ -23,18 +24,26 @@ from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+PARITY_RUN = {"train.steps": 8, "averaging.mode": "none", "train.eval_every": 3}
 
 
 @pytest.fixture
 def run_file(tmp_path):
-    return write_tiny_run(tmp_path, **{"train.steps": 8, "averaging.mode": "none", "train.eval_every": 3})
+    return write_tiny_run(tmp_path, **PARITY_RUN)
 
 
-@pytest.mark.parametrize("close_delay", [0.0, 0.3], ids=["prompt-closes", "closes-overtaken-by-forwards"])
-def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path, close_delay):
+@pytest.mark.parametrize(
+    ("close_delay", "wire_dtype"),
+    [(0.0, "float32"), (0.3, "float32"), (0.0, "bfloat16")],
+    ids=["prompt-closes", "closes-overtaken-by-forwards", "bfloat16-wire"],
+)
+def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path, close_delay, wire_dtype):
     """The data node does not wait for its step close to be answered before the next step's forwards.
     With every close delayed past them, the workers must hold those forwards until they have stepped:
-    a forward run on the weights of the step before would part the losses from the local trainer's."""
+    a forward run on the weights of the step before would part the losses from the local trainer's.
+    Over a bfloat16 wire the local trainer rounds at every hop as the peers do, and keeps parity."""
+    if wire_dtype != "float32":
+        run_file = write_tiny_run(tmp_path, **{**PARITY_RUN, "pipeline.wire_dtype": wire_dtype})
     run = load_run_config(str(run_file))
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = [tmp_path / f"worker{i}.json" for i in range(run.pipeline.stages - 1)]
@@ -55,8 +64,15 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     swarm_losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
     local_losses = [r.loss for r in reference.history]
     assert len(swarm_losses) == len(local_losses) == run.train.steps
-    # float32 on the wire: only the order of float operations differs (hop-by-hop graphs, threads)
+    # only the order of float operations differs (hop-by-hop graphs, threads)
     assert swarm_losses == pytest.approx(local_losses, rel=2e-4, abs=2e-4)
+    if wire_dtype != "float32":  # and a local trainer that did not round would not have kept it
+        unrounded = dataclasses.replace(run, pipeline=dataclasses.replace(run.pipeline, wire_dtype="float32"))
+        plain = ReferenceTrainer(unrounded, load_token_splits(run.data, run.model.vocab_size)).train()
+        gap, plain_gap = (max(abs(a - r.loss) for a, r in zip(swarm_losses, h, strict=True))
+                          for h in (reference.history, plain.history))  # fmt: skip
+        print(f"{wire_dtype} wire: largest loss gap {gap:.2e} to the rounding trainer, {plain_gap:.2e} to float32")
+        assert plain_gap > 4 * gap
     assert done["val_loss"] == pytest.approx(reference.val_loss, rel=2e-4)
     steps = [e for e in progress_events(progress) if e["event"] == "step"]
     swarm_val = {e["step"]: e["val_loss"] for e in steps if "val_loss" in e}

@@ -42,13 +42,37 @@ def build_all_stages(cfg: ModelConfig, stages: int, seed: int) -> tuple[HeadStag
     return head, blocks  # type: ignore[return-value]
 
 
+class _WireRound(torch.autograd.Function):
+    """A hop's rounding, both ways: the activation crosses as the wire dtype, and so does its gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.wire_dtype = wire_dtype
+        return x.to(wire_dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.wire_dtype).to(grad.dtype), None
+
+
+def over_the_wire(x: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the next peer receives it, and its gradient as the sender gets it back: identity for a
+    float32 wire, a rounding both ways for a narrower one (`pipeline.wire_dtype`)."""
+    return x if wire_dtype == x.dtype else _WireRound.apply(x, wire_dtype)
+
+
 def forward_route(
-    head: HeadStage, route: Sequence[BlockStage], tokens: torch.Tensor, targets: torch.Tensor
+    head: HeadStage,
+    route: Sequence[BlockStage],
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    wire_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Loss of one microbatch through the block stages in `route` order, in one autograd graph."""
-    x = head.embed(tokens)
+    """Loss of one microbatch through the block stages in `route` order, in one autograd graph, with
+    every hop's rounding to `wire_dtype` on the way out and back, as between peers."""
+    x = over_the_wire(head.embed(tokens), wire_dtype)
     for stage in route:
-        x = stage(x)
+        x = over_the_wire(stage(x), wire_dtype)
     return head.loss(x, targets)
 
 
@@ -58,27 +82,33 @@ def hop_by_hop_step(
     tokens: torch.Tensor,
     targets: torch.Tensor,
     loss_scale: float = 1.0,
+    wire_dtype: torch.dtype = torch.float32,
 ) -> float:
     """Forward and backward the way the swarm does it: each hop sees only a detached input.
 
     Every hop keeps its own graph, the gradient of the next hop's input crosses the boundary as a
-    plain tensor. Accumulates parameter gradients (scaled by `loss_scale`) and returns the loss.
+    plain tensor, and both cross as `wire_dtype`. Accumulates parameter gradients (scaled by
+    `loss_scale`) and returns the loss.
     """
+
+    def cross(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(wire_dtype).to(t.dtype)
+
     embedded = head.embed(tokens)
     inputs, outputs = [], []
-    x = embedded.detach()
+    x = cross(embedded)
     for stage in route:
         x_in = x.requires_grad_(True)
         x_out = stage(x_in)
         inputs.append(x_in)
         outputs.append(x_out)
-        x = x_out.detach()
+        x = cross(x_out)
     last = x.requires_grad_(True)
     loss = head.loss(last, targets)
     (loss * loss_scale).backward()
-    grad = last.grad
+    grad = cross(last.grad)
     for x_in, x_out in zip(reversed(inputs), reversed(outputs), strict=True):
         x_out.backward(grad)
-        grad = x_in.grad
+        grad = cross(x_in.grad)
     embedded.backward(grad)
     return float(loss.detach())

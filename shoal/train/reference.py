@@ -1,8 +1,8 @@
 """The single-process reference trainer: the whole model in one process, through the stage modules.
 
 It trains exactly what the swarm trains (the same stages, the same per-stage inner optimizers,
-the same data order for shard 0 of 1), so it is both the loss baseline the swarm must match and
-the speed baseline it must approach.
+the same data order for shard 0 of 1, every hop's rounding to the run's wire dtype), so it is both
+the loss baseline the swarm must match and the speed baseline it must approach.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from shoal.config import RunConfig
 from shoal.model.data import BatchSampler, TokenSplits, validation_batches
 from shoal.model.stages import build_all_stages, forward_route
+from shoal.protocol.torch_tensors import TORCH_DTYPES
 from shoal.train.inner import InnerOptimizer
 
 
@@ -49,6 +50,7 @@ class ReferenceTrainer:
         self.optimizers = [InnerOptimizer(m, run.optim, run.train.steps) for m in modules]
         self.sampler = BatchSampler(splits.train, run.train.seq_len, run.train.batch_size, run.train.seed)
         self.params = sum(p.numel() for m in modules for p in m.parameters())
+        self.wire_dtype = TORCH_DTYPES[run.pipeline.wire_dtype]
 
     def train_step(self, step: int) -> float:
         """One optimizer step over `batch_size` sequences, in microbatches; returns the mean loss."""
@@ -56,7 +58,7 @@ class ReferenceTrainer:
         n_micro = self.run.microbatches_per_step
         total = 0.0
         for mb_inputs, mb_targets in zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True):
-            loss = forward_route(self.head, self.blocks, mb_inputs, mb_targets)
+            loss = forward_route(self.head, self.blocks, mb_inputs, mb_targets, self.wire_dtype)
             (loss / n_micro).backward()
             total += float(loss.detach())
         for optimizer in self.optimizers:
@@ -67,7 +69,7 @@ class ReferenceTrainer:
     def evaluate(self) -> float:
         t = self.run.train
         losses = [
-            float(forward_route(self.head, self.blocks, x, y))
+            float(forward_route(self.head, self.blocks, x, y, self.wire_dtype))
             for x, y in validation_batches(self.splits.val, t.seq_len, t.batch_size, t.eval_batches)
         ]
         if not losses:
