@@ -44,7 +44,7 @@ from pathlib import Path
 
 from docs_section import DOC, wall_time, write_section
 
-from shoal.config import load_run_config
+from shoal.config import WIRE_DTYPES, load_run_config
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
 from shoal.protocol.pipeline import Ack, ForwardRequest
 from shoal.protocol.tensors import TensorSpec
@@ -548,12 +548,14 @@ def markdown(r: dict) -> str:
     codec = hop["sender_serialize_median_ms"] + hop["receiver_decode_and_check_median_ms"]
     lines = [
         "# Pipeline efficiency: the swarm against the single-process trainer"
-        + ("" if r["run"] == "tiny" else f" (run `{r['run']}`)"),
+        + ("" if r["run"] == "tiny" else f" (run `{r['run']}`)")
+        + ("" if r.get("wire_dtype", "float32") == "float32" else f", {r['wire_dtype']} on the wire"),
         "",
         f"Reproduce: `{r['command']}` ({wall_time(r['wall_s'])} here). Run `{r['run']}` "
         f"({r['params']:,} parameters, {r['stages']} stages, batch {r['batch']} sequences of {r['seq_len']} tokens in "
-        f"{r['microbatches_per_step']} microbatches, float32 on the wire). Both sides train the same "
-        f"{r['steps_local']} steps on the same batches, {r['repeats']} alternating repeats; median (min–max). "
+        f"{r['microbatches_per_step']} microbatches, {r.get('wire_dtype', 'float32')} on the wire). "
+        f"Both sides train the same {r['steps_local']} steps on the same batches, {r['repeats']} alternating repeats; "
+        "median (min–max). "
         f"Whole run: every step, warm-up included (start-up and the final evaluation left out on both sides); "
         f"steady state: without the first {r['warmup_steps']} steps.",
         "",
@@ -670,6 +672,13 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--node-threads", type=int, default=1, help="torch threads of each swarm node")
     parser.add_argument(
+        "--wire-dtype",
+        default=None,
+        choices=WIRE_DTYPES,
+        help="activations and gradients between peers (default: the run's); the local trainer rounds to it at "
+        "every hop as the peers do",
+    )
+    parser.add_argument(
         "--averaging",
         default="none",
         choices=("none", "noloco", "diloco"),
@@ -709,6 +718,7 @@ def main() -> int:
             "data.path": run.data.path or str(default_corpus_path()),
             "train.steps": args.steps,
             "averaging.mode": args.averaging,
+            "pipeline.wire_dtype": args.wire_dtype or run.pipeline.wire_dtype,
         }
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
@@ -769,6 +779,7 @@ def main() -> int:
             "averaging",
             "section",
             "node_threads",
+            "wire_dtype",
         )
         if getattr(args, name) != parser.get_default(name)
     )
@@ -781,6 +792,7 @@ def main() -> int:
         "batch": run.train.batch_size,
         "seq_len": run.train.seq_len,
         "microbatches_per_step": run.microbatches_per_step,
+        "wire_dtype": run.pipeline.wire_dtype,
         "steps_local": steps_local.pop(),
         "steps_swarm": steps_swarm.pop(),
         "warmup_steps": args.warmup_steps,
