@@ -91,6 +91,31 @@ def test_framed_stream_refuses_an_oversized_frame_before_reading_it():
     asyncio.run(scenario())
 
 
+def test_a_whole_hop_goes_into_the_socket_at_once_while_the_daemon_has_not_read_yet():
+    """Our end of a stream takes a hop's 256 KiB activation (and more) in the one write, even before
+    the p2p daemon reads any of it: with the default send buffer (208 KiB) the write stopped short
+    and the rest waited for the daemon to read and the event loop to wake again."""
+    import socket
+
+    from shoal.node.transport import SEND_BUFFER_BYTES
+
+    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())  # noqa: SIM115 - one read of a proc file
+    if wmem_max < 2**20:
+        pytest.skip(f"net.core.wmem_max is {wmem_max}: the kernel caps the buffer below a hop")
+
+    async def scenario():
+        ours, daemons = socket.socketpair(socket.AF_UNIX)
+        _, writer = await asyncio.open_unix_connection(sock=ours)
+        stream = FramedStream(None, writer, timeout_s=5)  # type: ignore[arg-type]
+        assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(SEND_BUFFER_BYTES, wmem_max)
+        await stream.write_frames([b"request", bytes(2**20)])  # nobody reads the other end yet
+        assert writer.transport.get_write_buffer_size() == 0
+        writer.close()
+        daemons.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_message_and_a_tensor_go_in_one_write_per_chunk_and_read_back_whole():
     """A hop writes its request, the tensor's header and its first chunk at once (one system call to
     the p2p daemon, not six); a tensor of several chunks follows one write per chunk. The reader sees

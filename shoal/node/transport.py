@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 import typing
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,10 @@ KEEP_ALIVE_RPCS = frozenset({"rpc_forward", "rpc_backward", "rpc_step_close"})
 POOL_IDLE_S = 20.0  # a caller reuses a kept stream idle at most this long
 SERVE_IDLE_S = 60.0  # a server waits this long for the next request on a kept stream (> POOL_IDLE_S)
 POOL_PER_KEY = 4  # idle streams kept per (peer, rpc)
+# Our end of each stream's unix socket to the local p2p daemon: room for a whole hop (request, header
+# and a 2 MiB chunk) in one write. The default (208 KiB here) takes a 256 KiB activation in two
+# writes with a wait for the daemon to read in between. The kernel caps it at net.core.wmem_max.
+SEND_BUFFER_BYTES = 4 * 2**20
 
 
 class EndOfStream(Exception):
@@ -58,6 +63,7 @@ class FramedStream:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
         self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
         self.remote_addr: str | None = None  # served streams: the multiaddr the caller's connection came from
+        _widen_send_buffer(writer)
 
     async def read_frame(self, max_bytes: int = MAX_FRAME_BYTES, wait_s: float | None = None) -> bytes:
         """One frame. With `wait_s` (a kept stream between requests), the frame may take that long to
@@ -139,6 +145,17 @@ class FramedStream:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _widen_send_buffer(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < SEND_BUFFER_BYTES:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    except OSError as e:  # not a socket that takes it: the default buffer only costs a write more
+        logger.debug("could not widen a stream's send buffer: %s", e)
 
 
 Handler = Callable[[Any, FramedStream, PeerID], Awaitable[Any]]
