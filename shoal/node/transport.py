@@ -147,7 +147,7 @@ class FramedStream:
         self.writer.close()
 
 
-def _widen_send_buffer(writer: asyncio.StreamWriter) -> None:
+def _widen_send_buffer(writer: asyncio.StreamWriter | None) -> None:
     sock = writer.get_extra_info("socket") if writer is not None else None
     if sock is None:
         return
