@@ -60,7 +60,8 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
                             "--inject-close-delay", str(close_delay), "--stats-file", str(data_stats))  # fmt: skip
     done = wait_until(lambda: done_event(progress), 240, "the data node to finish training")
 
-    reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()
+    splits = load_token_splits(run.data, run.model.vocab_size)
+    reference = ReferenceTrainer(run, splits).train()
     swarm_losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
     local_losses = [r.loss for r in reference.history]
     assert len(swarm_losses) == len(local_losses) == run.train.steps
@@ -68,7 +69,7 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     assert swarm_losses == pytest.approx(local_losses, rel=2e-4, abs=2e-4)
     if wire_dtype != "float32":  # and a local trainer that did not round would not have kept it
         unrounded = dataclasses.replace(run, pipeline=dataclasses.replace(run.pipeline, wire_dtype="float32"))
-        plain = ReferenceTrainer(unrounded, load_token_splits(run.data, run.model.vocab_size)).train()
+        plain = ReferenceTrainer(unrounded, splits).train()
         gap, plain_gap = (max(abs(a - r.loss) for a, r in zip(swarm_losses, h, strict=True))
                           for h in (reference.history, plain.history))  # fmt: skip
         print(f"{wire_dtype} wire: largest loss gap {gap:.2e} to the rounding trainer, {plain_gap:.2e} to float32")

@@ -96,10 +96,11 @@ def test_a_whole_hop_goes_into_the_socket_at_once_while_the_daemon_has_not_read_
     the p2p daemon reads any of it: with the default send buffer (208 KiB) the write stopped short
     and the rest waited for the daemon to read and the event loop to wake again."""
     import socket
+    from pathlib import Path
 
     from shoal.node.transport import SEND_BUFFER_BYTES
 
-    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())  # noqa: SIM115 - one read of a proc file
+    wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
     if wmem_max < 2**20:
         pytest.skip(f"net.core.wmem_max is {wmem_max}: the kernel caps the buffer below a hop")
 

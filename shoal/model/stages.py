@@ -92,7 +92,7 @@ def hop_by_hop_step(
     """
 
     def cross(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(wire_dtype).to(t.dtype)
+        return over_the_wire(t.detach(), wire_dtype)
 
     embedded = head.embed(tokens)
     inputs, outputs = [], []
