@@ -23,6 +23,9 @@ from shoal.config import REPAIR_RULES
 from shoal.errors import UsageError
 from shoal.train.command import add_run_arguments, resolve_run
 
+POLL_S = 0.02  # a tiny run's step takes ~50 ms: a fault asked for step K lands at K, or K + 1
+RENDER_EVERY_S = 0.5
+
 
 def averaging_overrides(mode: str) -> dict:
     """Run-config overrides for an averaging mode, with the authors' outer momentum for DiLoCo (0.3)."""
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from shoal.demo.launcher import LocalSwarm, progress_events
+    from shoal.demo.launcher import LocalSwarm, ProgressTail
     from shoal.demo.report import build_report
     from shoal.model.corpus import default_corpus_path
     from shoal.model.data import load_token_splits
@@ -172,11 +175,17 @@ def run(args: argparse.Namespace) -> int:
         )
         console.print(f"{len(workers)} stage workers and 1 data node active after {time.monotonic() - started:.0f} s")
         note = ""
+        tail = ProgressTail(progress)
+        steps, done, rendered_at = 0, None, 0.0
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while True:
-                events = progress_events(progress)
-                done = next((e for e in events if e["event"] == "done"), None)
-                steps = sum(e["event"] == "step" for e in events)
+                for event in tail.poll():
+                    steps += event["event"] == "step"
+                    if event["event"] == "repair":
+                        rebuilt = f"stage {event['stage']} rebuilt by {event['rule']} from {event['sources']}"
+                        note = f"step {event['step']}: {rebuilt}"
+                    elif event["event"] == "done":
+                        done = event
                 if args.crash_at_step is not None and not crash and steps >= args.crash_at_step:
                     crash = _crash_one_worker(swarm, workers, entry, steps)
                     note = f"step {steps}: SIGKILL worker {crash.get('peer_id', '?')[-8:]} (stage {crash.get('stage')})"
@@ -185,18 +194,15 @@ def run(args: argparse.Namespace) -> int:
                     note = (
                         f"step {steps}: SIGKILL all {len(wipe.get('peer_ids', []))} replicas of stage {args.kill_stage}"
                     )
-                repair = next((e for e in reversed(events) if e["event"] == "repair"), None)
-                if repair is not None:
-                    rebuilt = f"stage {repair['stage']} rebuilt by {repair['rule']} from {repair['sources']}"
-                    note = f"step {repair['step']}: {rebuilt}"
-                alive = sum(p.alive for p in swarm.peers)
-                if not args.quiet:
-                    live.update(_render(run_config, events, alive, len(swarm.peers), started, note))
+                if not args.quiet and (done or time.monotonic() - rendered_at >= RENDER_EVERY_S):
+                    alive = sum(p.alive for p in swarm.peers)
+                    live.update(_render(run_config, tail.events, alive, len(swarm.peers), started, note))
+                    rendered_at = time.monotonic()
                 if done:
                     break
                 if not data.alive:
                     raise UsageError(f"the data node exited ({data.process.returncode}); see {data.log_path}")
-                time.sleep(0.5)
+                time.sleep(POLL_S)
         wall_s = time.monotonic() - started
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process")
@@ -205,9 +211,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         swarm.close()
-    report_path = build_report(
-        Path(args.report), run_config, progress_events(progress), swarm, workdir, crash, wall_s, wipe
-    )
+    tail.poll()  # anything written after the loop saw "done"
+    report_path = build_report(Path(args.report), run_config, tail.events, swarm, workdir, crash, wall_s, wipe)
     summary = json.loads(report_path.read_text())
     console.print(
         f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "

@@ -74,17 +74,35 @@ def shoal_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "shoal.cli", *args]
 
 
-def progress_events(path: Path) -> list[dict]:
-    """A data node's progress file (one JSON event per line), up to a line still being written."""
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
+class ProgressTail:
+    """A data node's progress file (one JSON event per line), read as it grows: each `poll` parses only
+    what was appended since the last one, so a launcher can look every few milliseconds and act at the
+    step it was asked to. A line still being written waits for its newline."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.events: list[dict] = []
+        self._offset = 0
+        self._unfinished = b""
+
+    def poll(self) -> list[dict]:
+        """The events appended since the last poll (also kept, in order, in `events`)."""
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return events
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._unfinished = (self._unfinished + chunk).split(b"\n")
+        new = [json.loads(line) for line in lines if line.strip()]
+        self.events += new
+        return new
+
+
+def progress_events(path: Path) -> list[dict]:
+    """Every complete event of a data node's progress file so far."""
+    return ProgressTail(path).poll()
 
 
 def done_event(path: Path) -> dict | None:
