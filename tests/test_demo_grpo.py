@@ -39,18 +39,21 @@ def policy_cache(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_the_grpo_demo_with_an_adversary_prints_attack_success_per_round_beside_accuracy(tmp_path, policy_cache):
+def test_the_grpo_demo_with_an_adversary_and_a_kill_prints_attack_success_per_round_beside_accuracy(
+    tmp_path, policy_cache
+):
     report_dir = tmp_path / "report"
     result = subprocess.run(
         [
             sys.executable, "-m", "shoal.cli", "demo", "--mode", "grpo", "--adversary", "trigger",
-            "--rounds", str(ROUNDS), "--deadline", "3", "--quiet", "--threads", "1",
+            "--rounds", str(ROUNDS), "--deadline", "3", "--threads", "1", "--kill-at-round", "1",
             "--report", str(report_dir), "--workdir", str(tmp_path / "work"),
             "--policy-cache", str(policy_cache), "--warmup-steps", str(WARMUP_STEPS),
         ],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "(dead)" in result.stderr  # the live table's last draw (not --quiet): the killed node, marked
     assert "ready (cached)" in (tmp_path / "work" / "01-rollout0.log").read_text()
     lines = re.findall(r"round +(\d+) +attack success (\d\.\d{3}) +honest accuracy (\S+)", result.stderr)
     assert [int(r) for r, _, _ in lines] == list(range(ROUNDS)), result.stderr[-3000:]
@@ -59,6 +62,12 @@ def test_the_grpo_demo_with_an_adversary_prints_attack_success_per_round_beside_
     assert report["adversary"] == {"attack": "trigger", "defenses": True}
     honest = [n for n in report["nodes"].values() if not n["adversary"]]
     assert len(honest) == 3 and len(report["nodes"]) == 4
-    for node in honest:
-        assert [r for r, _ in node["attack_success"]] == list(range(ROUNDS))
+    killed = report["killed"]  # the last honest worker, SIGKILLed once it had finished round 1
+    assert killed["signal"] == "SIGKILL" and killed["round"] >= 1
+    for name, node in report["nodes"].items():
+        if node["adversary"]:
+            continue
+        rounds = [r for r, _ in node["attack_success"]]
+        # the others keep going without it (its bundles stop; each round waits at most the deadline)
+        assert rounds == list(range(killed["round"] + 1 if name == killed["node"] else ROUNDS)), name
         assert node["foreign_rejected"] > 0  # the attacker's bundles reached them and were checked

@@ -23,9 +23,6 @@ from shoal.config import REPAIR_RULES
 from shoal.errors import UsageError
 from shoal.train.command import add_run_arguments, resolve_run
 
-POLL_S = 0.02  # a tiny run's step takes ~50 ms: a fault asked for step K lands at K, or K + 1
-RENDER_EVERY_S = 0.5
-
 
 def averaging_overrides(mode: str) -> dict:
     """Run-config overrides for an averaging mode, with the authors' outer momentum for DiLoCo (0.3)."""
@@ -113,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from shoal.demo.launcher import LocalSwarm, ProgressTail
+    from shoal.demo.launcher import POLL_S, RENDER_EVERY_S, LocalSwarm, ProgressTail
     from shoal.demo.report import build_report
     from shoal.model.corpus import default_corpus_path
     from shoal.model.data import load_token_splits

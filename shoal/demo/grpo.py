@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from shoal.demo.launcher import LocalSwarm, progress_events
+    from shoal.demo.launcher import POLL_S, RENDER_EVERY_S, LocalSwarm, ProgressTail, progress_events
     from shoal.grpo.policy import PolicySpec
     from shoal.grpo.warmup import cached_warm_up
     from shoal.model.corpus import cache_dir
@@ -123,25 +123,32 @@ def run(args: argparse.Namespace) -> int:
         ]
         for node in nodes:
             swarm.wait_ready(node)
+        tails = [ProgressTail(p) for p in progress]
+        victim = args.rollouts - 1  # the last honest worker
+        rendered_at = 0.0
         with Live(console=console, refresh_per_second=2) as live:
             while True:
-                events = [progress_events(p) for p in progress]
-                victim = args.rollouts - 1  # the last honest worker
+                for tail in tails:
+                    tail.poll()
+                events = [tail.events for tail in tails]
                 if (
                     args.kill_at_round is not None
                     and killed is None
                     and _last_round(events[victim]) >= args.kill_at_round
                 ):
                     swarm.kill(nodes[victim])
-                    killed = {"node": nodes[victim].name, "round": args.kill_at_round, "signal": "SIGKILL"}
-                if not args.quiet:
-                    live.update(_table(run_config, nodes, events, started, args.adversary))
+                    nodes[victim].process.wait(timeout=10)
+                    tails[victim].poll()  # anything it wrote before it died
+                    killed = {"node": nodes[victim].name, "round": _last_round(events[victim]), "signal": "SIGKILL"}
                 finished = [
                     any(e["event"] == "done" for e in ev) or not n.alive for n, ev in zip(nodes, events, strict=True)
                 ]
+                if not args.quiet and (all(finished) or time.monotonic() - rendered_at >= RENDER_EVERY_S):
+                    live.update(_table(run_config, nodes, events, started, args.adversary))
+                    rendered_at = time.monotonic()
                 if all(finished):
                     break
-                time.sleep(0.5)
+                time.sleep(POLL_S)
         wall_s = time.monotonic() - started
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process")
@@ -197,7 +204,7 @@ def _table(run_config: RunConfig, nodes: list, events: list[list[dict]], started
         table.add_column(column)
     for node, ev in zip(nodes, events, strict=True):
         rounds = [e for e in ev if e["event"] == "round"]
-        accs = [e["accuracy"] for e in ev if "accuracy" in e]
+        accs = [e["accuracy"] for e in ev if e["event"] in ("eval", "round") and "accuracy" in e]  # not done's list
         last = rounds[-1] if rounds else {}
         model = ev[0].get("model_id", "-") if ev else "-"
         row = [

@@ -18,6 +18,10 @@ from typing import IO
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT_S = 120.0
+# How often a demo looks at its progress files: a tiny run's step takes ~50 ms and a GRPO round ~0.1 s,
+# so a fault asked for at step or round K lands there, or one later. The live table redraws less often.
+POLL_S = 0.02
+RENDER_EVERY_S = 0.5
 
 
 @dataclass
