@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from shoal.train.repair import steps_to_recover
-from tests.helpers.processes import done_event, progress_events, wait_until
+from tests.helpers.processes import Swarm, done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -158,11 +159,19 @@ WIPED_AT = 27  # stage 2's replica dies as step 27's first forward reaches it: s
 RECOVERY_STEPS = 8
 
 
-def _wipe_stage_2(swarm, workdir, rule: str):
+def _wipe_stage_2(workdir, rule: str):
     """Stage 2's only replica dies at step 27 (as if SIGKILLed) and a newcomer takes the stage; the
     data node's events. Late in the run, where the learning rate has decayed and a stage is slow to
-    learn back."""
+    learn back. A swarm of its own in `workdir`, so that two rules can run side by side."""
     workdir.mkdir()
+    swarm = Swarm(workdir)
+    try:
+        return _wipe_stage_2_in(swarm, workdir, rule)
+    finally:
+        swarm.close()
+
+
+def _wipe_stage_2_in(swarm, workdir, rule: str):
     run_file = write_tiny_run(workdir, **REPAIR_RUN, **{"repair.rule": rule})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     common = ("--record-ttl", TTL, "--role", "worker")
@@ -192,15 +201,18 @@ def _wipe_stage_2(swarm, workdir, rule: str):
     return repair, val, status, newcomer
 
 
-def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_recovers_where_a_random_one_does_not(swarm, tmp_path):
+def test_a_wiped_middle_stage_is_rebuilt_from_its_neighbours_and_recovers_where_a_random_one_does_not(tmp_path):
     # CheckFree+ (half the microbatches run with a pair of partner stages swapped; the middle stage has
-    # no swap partner and is rebuilt from both neighbours), then the same seed with random re-init:
-    # the swaps follow each microbatch's place in the run, so both runs train the same microbatches alike
-    repair, val, status, newcomer = _wipe_stage_2(swarm, tmp_path / "checkfree", "checkfree_plus")
+    # no swap partner and is rebuilt from both neighbours) and, at the same time, the same seed with random
+    # re-init: the swaps follow each microbatch's place in the run, so both runs train the same microbatches
+    # alike (the two swarms share the cores, not their arithmetic)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        checkfree = pool.submit(_wipe_stage_2, tmp_path / "checkfree", "checkfree_plus")
+        random_rule = pool.submit(_wipe_stage_2, tmp_path / "random", "random")
+        (repair, val, status, newcomer), (random_repair, random_val, _, _) = checkfree.result(), random_rule.result()
     assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "checkfree", [1, 3])
     assert re.search(r"rebuilt by checkfree from stage\(s\) \[1, 3\] \(mix 0\.\d\d/0\.\d\d\)", newcomer.log())
     assert [(r["stage"], r["rule"], r["peer_id"]) for r in status["repairs"]] == [(2, "checkfree", newcomer.peer_id)]
-    random_repair, random_val, _, _ = _wipe_stage_2(swarm, tmp_path / "random", "random")
     assert (random_repair["stage"], random_repair["rule"]) == (2, "random")
 
     before, random_before = val[WIPED_AT - 1], random_val[WIPED_AT - 1]
