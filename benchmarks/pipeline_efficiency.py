@@ -46,6 +46,7 @@ from docs_section import DOC, wall_time, write_section
 
 from shoal.config import WIRE_DTYPES, load_run_config
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
+from shoal.node.compute import COMPUTE_THREAD_OS_NAME
 from shoal.protocol.pipeline import Ack, ForwardRequest
 from shoal.protocol.tensors import TensorSpec
 
@@ -90,6 +91,37 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14 and 15 of stat)
+
+
+def compute_thread_seconds(pid: int) -> float:
+    """CPU seconds of a node's compute thread (its torch work), found by the name the node gives it."""
+    total = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        if name == COMPUTE_THREAD_OS_NAME:
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
+def cpu_split(cpu: dict[str, float], compute_s: float, budget_s: float) -> dict[str, float]:
+    """Shares of the swarm's CPU budget: the nodes' compute threads, the rest of their processes (event
+    loop: streams, codec, DHT; and the bootstrap peer), their p2pd daemons, and what nobody used."""
+    p2pd = sum(v for name, v in cpu.items() if name.endswith("/p2pd"))
+    used = sum(cpu.values())
+    return {
+        "compute_threads": compute_s / budget_s,
+        "other_threads": (used - p2pd - compute_s) / budget_s,
+        "p2pd": p2pd / budget_s,
+        "idle": 1 - used / budget_s,
+    }
 
 
 def command_name(pid: int) -> str:
@@ -179,6 +211,7 @@ def swarm_run(
     progress = work / "progress.jsonl"
     cpu_at: dict[str, dict[int, float]] = {}
     wall_at: dict[str, float] = {}
+    compute_at: dict[str, float] = {}
     names: dict[int, str] = {}
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
@@ -211,6 +244,7 @@ def swarm_run(
                 for child in process_tree(peer.pid):
                     names[child] = f"{peer.name}/{command_name(child)}"
             cpu_at[label] = {pid: s for pid in names if (s := cpu_seconds(pid)) is not None}
+            compute_at[label] = sum(compute_thread_seconds(peer.pid) for peer in swarm.peers)
             wall_at[label] = time.monotonic()
 
         def watch() -> dict | None:
@@ -263,6 +297,7 @@ def swarm_run(
         "cpu_s": round(sum(cpu.values()), 2),
         "cpu_s_by_process": {k: round(v, 2) for k, v in sorted(cpu.items())},
         "cpu_share": sum(cpu.values()) / (wall * len(cores)),
+        "cpu_split": cpu_split(cpu, compute_at["end"] - compute_at["start"], wall * len(cores)),
         "wall_s": wall,
         "wire_bytes_per_microbatch": sum(s["traffic"].get("bytes_sent", 0) for s in stats.values()) / microbatches,
         "peak_rss_mb": {name: round(s["peak_rss_bytes"] / 2**20, 1) for name, s in stats.items()},
@@ -520,6 +555,31 @@ def abandoned_text(a: dict) -> str:
     return f"**{lost}: the benchmark fails.** Reasons: {reasons}."
 
 
+def budget_lines(r: dict, target: float) -> list[str]:
+    """Where the swarm's CPU budget went, by thread kind, and what the target asks of its compute."""
+    splits = [x["cpu_split"] for x in r["swarm_runs"] if "cpu_split" in x]
+    if not splits:  # results from before the split was measured
+        return []
+    share = {kind: statistics.median(split[kind] for split in splits) for kind in splits[0]}
+    k = r["cpu_budget"]["cores"]
+    # tokens per CPU second of the compute threads alone (tokens_per_cpu_s counts every process's CPU)
+    per_compute_s = [
+        x["tokens_per_cpu_s"] * (1 - x["cpu_split"]["idle"]) / x["cpu_split"]["compute_threads"]
+        for x in r["swarm_runs"]
+    ]
+    local_rate = statistics.median(x["tokens_per_s"]["steady_state"] for x in r["local_runs"])
+    needed = target * local_rate / (statistics.median(per_compute_s) * k)
+    return [
+        f"- The swarm's CPU budget ({k} cores for the run's wall time), median over repeats: the nodes' compute "
+        f"threads (torch) {share['compute_threads']:.0%}, their other threads (event loop: streams, codec, DHT; "
+        f"and the bootstrap peer) {share['other_threads']:.0%}, the p2pd daemons {share['p2pd']:.0%}, unused "
+        f"{share['idle']:.0%} (the pipeline's fill and drain, and waits). Per CPU second of their own, the compute "
+        f"threads trained {spread(per_compute_s, 0)} tokens, against the local trainer's "
+        f"{spread([x['tokens_per_cpu_s'] for x in r['local_runs']], 0)} with {k} threads: {target} of the local "
+        f"trainer's speed at that rate needs {needed:.0%} of the budget in the compute threads.",
+    ]
+
+
 def markdown(r: dict) -> str:
     hop, mem, budget = r["hop_latency"], r["memory_over_long_run"], r["cpu_budget"]
     threads = budget.get("node_threads", 1)
@@ -614,6 +674,7 @@ def markdown(r: dict) -> str:
         f"- Where the swarm's CPU went (first repeat, {swarm_wall:.0f} s of training, CPU seconds): "
         + ", ".join(f"{name} {s:.1f}" for name, s in sorted(by_process.items(), key=lambda kv: -kv[1]))
         + f". The busiest process used {max(by_process.values()) / swarm_wall:.0%} of one core.",
+        *budget_lines(r, target),
         f"- Bytes on the wire per microbatch (all hops, forward and backward): "
         f"{r['swarm_runs'][0]['wire_bytes_per_microbatch'] / 2**20:.2f} MiB "
         f"(one activation is {r['activation_bytes'] / 2**10:.0f} KiB).",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from shoal.node.compute import BACKGROUND, BACKWARD, FORWARD, ComputeThread
+from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
 from shoal.node.ledger import MicrobatchLedger
 from shoal.planning.costs import CostModel
 from shoal.planning.peer_router import PeerRouter, Snapshot
@@ -77,6 +79,21 @@ def test_compute_thread_traces_each_job_on_the_monotonic_clock(tmp_path):
     assert [row[2] for row in rows] == ["spin", "<lambda>"]  # a failed job is traced too
     start, end, cpu_s = float(rows[0][0]), float(rows[0][1]), float(rows[0][3])
     assert before <= start < end <= after and end - start >= cpu_s >= 0.02
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_kernel_knows_the_compute_thread_by_its_name_and_the_event_loop_keeps_the_process_name():
+    def own_comm() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    async def scenario() -> tuple[str, str]:
+        thread = ComputeThread()
+        try:
+            return await thread.run(FORWARD, own_comm), own_comm()
+        finally:
+            thread.shutdown()
+
+    assert asyncio.run(scenario()) == (COMPUTE_THREAD_OS_NAME, Path("/proc/self/comm").read_text().strip())
 
 
 def _node(peer: str, stage: int, throughput: float, state: str = "active") -> NodeInfo:
