@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
                 if not data.alive:
                     raise UsageError(f"the data node exited ({data.process.returncode}); see {data.log_path}")
                 time.sleep(POLL_S)
+        if not args.quiet and not console.is_terminal:
+            console.line()  # rich ends the live table's last draw with a newline only on a terminal
         wall_s = time.monotonic() - started
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process")

@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
                 if all(finished):
                     break
                 time.sleep(POLL_S)
+        if not args.quiet and not console.is_terminal:
+            console.line()  # rich ends the live table's last draw with a newline only on a terminal
         wall_s = time.monotonic() - started
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process")
