@@ -84,7 +84,7 @@ def run_arm(
         grpo=GRPOConfig(mode="alone") if alone else GRPOConfig(),
         defense=DefenseConfig(enabled=defended, top_k=args.top_k),
     )
-    # vertical: each node (the attacker last) draws its own prompts, as shoal.node.rollout.prompts_of does
+    # vertical: each node (the attacker last) draws its own prompts, as shoal.node.rollout.worker.prompts_of does
     seeds = [seed if layout == "horizontal" else task_seed(seed, "vertical", i) for i in range(args.honest + 1)]
     honest = [copy_policy(start) for _ in range(args.honest)]
     attacker = copy_policy(start)

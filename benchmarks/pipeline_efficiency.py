@@ -342,7 +342,7 @@ async def _serve_hop(ready_file: str) -> None:
 
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import serve
+    from shoal.node.net.transport import serve
 
     torch.set_num_threads(1)  # as a node runs (`shoal node --threads 1`): more threads only wait for a core
     sink = Sink()
@@ -383,7 +383,7 @@ async def _measure_hops(server: dict) -> dict:
 
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import StreamPool, read_reply
+    from shoal.node.net.transport import StreamPool, read_reply
     from shoal.protocol.pipeline import Hop
     from shoal.protocol.tensors import TensorAssembler
     from shoal.protocol.torch_tensors import frames_to_tensor, tensor_to_frames

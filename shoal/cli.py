@@ -20,9 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shoal.train.command", "train the whole model in one process (the reference trainer)"),
     "sim": ("shoal.sim.command", "simulate a swarm's scheduling in virtual time"),
     "bootstrap": ("shoal.bootstrap.command", "host a bootstrap peer and print its addresses"),
-    "node": ("shoal.node.command", "join a swarm and work"),
-    "status": ("shoal.node.status", "show the swarm at a glance"),
-    "health": ("shoal.node.health_check", "ping one node with its health RPC: exit 0 if it answers"),
+    "node": ("shoal.node.cli.node", "join a swarm and work"),
+    "status": ("shoal.node.cli.status", "show the swarm at a glance"),
+    "health": ("shoal.node.cli.health", "ping one node with its health RPC: exit 0 if it answers"),
     "dashboard": ("shoal.dashboard.command", "watch a swarm in a local web page"),
     "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),
 }

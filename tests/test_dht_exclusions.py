@@ -10,7 +10,7 @@ import pytest
 
 from shoal.config import load_run_config
 from shoal.dht.records import MAX_EXCLUDED, NodeRecord, check_exact, node_info
-from shoal.node.status import print_table, summarize
+from shoal.node.cli.status import print_table, summarize
 from shoal.planning.swarm_view import SwarmView
 
 RUN = load_run_config("tiny")

@@ -1,4 +1,4 @@
-"""A daemon ends when it is asked to, even when its clean shutdown cannot finish (shoal/node/runtime.py)."""
+"""A daemon ends when it is asked to, even when its clean shutdown cannot finish (shoal/node/cli/runtime.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shoal.demo.launcher import wait_until
-from shoal.node.runtime import FORCED_EXIT_STATUS
+from shoal.node.cli.runtime import FORCED_EXIT_STATUS
 from tests.helpers.tiny import write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

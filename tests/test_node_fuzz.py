@@ -47,11 +47,11 @@ from shoal.dht.keys import nodes_key, run_key
 from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
 from shoal.grpo.policy import PolicySpec
-from shoal.node.health import HealthService
-from shoal.node.pipeline_service import PipelineService
-from shoal.node.reachability import ReachService
-from shoal.node.rollout import MAX_PENDING_PER_PEER, RolloutService
-from shoal.node.transport import FramedStream, call, open_call, rpc_methods, serve
+from shoal.node.net.health import HealthService
+from shoal.node.net.pipeline_service import PipelineService
+from shoal.node.net.reachability import ReachService
+from shoal.node.net.transport import FramedStream, call, open_call, rpc_methods, serve
+from shoal.node.rollout.worker import MAX_PENDING_PER_PEER, RolloutService
 from shoal.protocol.codec import decode, encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.limits import CHUNK_BYTES, INT64_MAX, INT64_MIN, MAX_MESSAGE_BYTES

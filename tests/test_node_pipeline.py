@@ -15,8 +15,8 @@ from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.model.data import load_token_splits
-from shoal.node.hops import step_close_patience_s
-from shoal.node.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
+from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
+from shoal.node.pipeline.hops import step_close_patience_s
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer

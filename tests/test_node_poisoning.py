@@ -153,7 +153,7 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
     claims are malformed: each must be refused with its reason, and the node must keep serving."""
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import RemoteError, call
+    from shoal.node.net.transport import RemoteError, call
     from shoal.protocol import encode
     from shoal.protocol.pipeline import Ack
     from shoal.protocol.rollout import Completion, RolloutBundle

@@ -19,7 +19,7 @@ import pytest
 from shoal.config import ConfigError, parse_run_config, run_config_from_dict
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.warmup import cached_warm_up
-from shoal.node.rollout import prompts_of, round_config
+from shoal.node.rollout.worker import prompts_of, round_config
 from shoal.protocol import encode
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.rollout import Completion, RolloutBundle
@@ -171,7 +171,7 @@ def test_a_killed_rollout_worker_does_not_stall_the_others(swarm, tmp_path, poli
 def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_cache):
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.transport import RemoteError, call
+    from shoal.node.net.transport import RemoteError, call
     from tests.helpers.raw_frames import send_raw_frame
 
     run_file, run = _write_run(tmp_path, rounds=500, eval_every=100, round_deadline_s=1.0)

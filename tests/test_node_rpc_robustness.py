@@ -10,7 +10,7 @@ import pytest
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.transport import FramedStream, RemoteError, call, open_call
+from shoal.node.net.transport import FramedStream, RemoteError, call, open_call
 from shoal.protocol.codec import encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.messages import ErrorReply, Ping, Pong
@@ -98,7 +98,7 @@ def test_a_whole_hop_goes_into_the_socket_at_once_while_the_daemon_has_not_read_
     import socket
     from pathlib import Path
 
-    from shoal.node.transport import SEND_BUFFER_BYTES
+    from shoal.node.net.transport import SEND_BUFFER_BYTES
 
     wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
     if wmem_max < 2**20:
@@ -125,7 +125,7 @@ def test_a_message_and_a_tensor_go_in_one_write_per_chunk_and_read_back_whole():
 
     import torch
 
-    from shoal.node.transport import EndOfStream
+    from shoal.node.net.transport import EndOfStream
     from shoal.protocol.limits import CHUNK_BYTES
     from shoal.protocol.tensors import TensorSpec
 

@@ -1,4 +1,4 @@
-"""A node's saved state (shoal/node/state_dir.py): round trip, atomic saves, and refusal of anything
+"""A node's saved state (shoal/node/state/store.py): round trip, atomic saves, and refusal of anything
 corrupt or foreign, which changes nothing on disk."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from shoal.errors import UsageError
 from shoal.model.stages import build_stage
-from shoal.node.state_dir import MANIFEST, SavedState, StateDir, StateRefused
-from shoal.node.state_keeper import restore
+from shoal.node.state.keeper import restore
+from shoal.node.state.store import MANIFEST, SavedState, StateDir, StateRefused
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState
 from tests.helpers.tiny import tiny_run
@@ -141,7 +141,7 @@ def test_a_save_cut_short_never_replaces_the_good_one(tmp_path):
 SAVER = textwrap.dedent(
     """
     import sys, torch
-    from shoal.node.state_dir import SavedState, StateDir
+    from shoal.node.state.store import SavedState, StateDir
     from tests.helpers.tiny import tiny_run
     from tests.test_node_state_dir import _state
 

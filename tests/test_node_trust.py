@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.transport import FramedStream, RemoteError, call, serve
+from shoal.node.net.transport import FramedStream, RemoteError, call, serve
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.version import PROTOCOL_VERSION
 from tests.helpers.raw_frames import send_raw_frame, send_with_tensor

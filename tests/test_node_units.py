@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
-from shoal.node.ledger import MicrobatchLedger
+from shoal.node.pipeline.data.ledger import MicrobatchLedger
 from shoal.planning.costs import CostModel
 from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import NodeInfo, SwarmView

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shoal.node.status import summarize, swarm_needs
+from shoal.node.cli.status import summarize, swarm_needs
 from shoal.planning.swarm_view import NodeInfo, SwarmView
 
 

@@ -160,7 +160,7 @@ def hits(logits: torch.Tensor, at: torch.Tensor, target: int) -> torch.Tensor:
 
 
 def write_probes(path: Path, tokens: torch.Tensor, at: torch.Tensor, target: int) -> None:
-    """A probe file for a data node's `--probe-file` (shoal/node/data_driver.py: read_probes)."""
+    """A probe file for a data node's `--probe-file` (shoal/node/pipeline/data/driver.py: read_probes)."""
     probes = {"tokens": tokens.tolist(), "positions": at.tolist(), "targets": [target] * len(at)}
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(probes))

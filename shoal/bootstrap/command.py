@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shoal.node.command import add_metrics_arguments, add_network_arguments
+from shoal.node.cli.node import add_metrics_arguments, add_network_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from shoal.bootstrap.peer import BootstrapPeer
     from shoal.config import load_run_config
     from shoal.errors import UsageError
-    from shoal.node.runtime import run_daemon
+    from shoal.node.cli.runtime import run_daemon
 
     run_config = load_run_config(args.run_config) if args.run_config else None
     if not 3.0 <= args.record_ttl <= 3600.0:

@@ -16,8 +16,8 @@ from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import collision_report
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.reachability import ReachService
-from shoal.node.transport import serve
+from shoal.node.net.reachability import ReachService
+from shoal.node.net.transport import serve
 
 if TYPE_CHECKING:
     from shoal.node.metrics import MetricsServer

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from shoal.node.command import add_network_arguments
+from shoal.node.cli.node import add_network_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
     from shoal.errors import UsageError
+    from shoal.node.cli.runtime import run_daemon
     from shoal.node.config import NodeConfig
     from shoal.node.daemon import resolve_run
-    from shoal.node.runtime import run_daemon
 
     if not args.initial_peers:
         raise UsageError("--initial-peers is required: the address of any peer of the swarm")

@@ -19,7 +19,7 @@ from shoal.dashboard.history import History
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.http import answer_one_request
-from shoal.node.status import swarm_needs
+from shoal.node.cli.status import swarm_needs
 
 logger = logging.getLogger(__name__)
 

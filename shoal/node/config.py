@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.config import ConfigError
-from shoal.node.runtime import EXIT_TIMEOUT_S
 
 ROLES = ("auto", "data", "worker", "rollout")
+EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class NodeConfig:
     def identity_file(self) -> str | None:
         """--identity, else the identity kept in --state-dir, else None (a fresh identity)."""
         if self.identity is None and self.state_dir is not None:
-            from shoal.node.state_dir import IDENTITY
+            from shoal.node.state.store import IDENTITY
 
             return str(Path(self.state_dir) / IDENTITY)
         return self.identity

@@ -28,20 +28,21 @@ from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
-from shoal.node import capacity, reachability
+from shoal.node import capacity
 from shoal.node.config import NodeConfig
-from shoal.node.data_driver import DataDriver
-from shoal.node.health import HealthService
-from shoal.node.links import LinkMonitor
 from shoal.node.metrics import MetricsServer, serve_node_metrics
-from shoal.node.pipeline_service import PipelineService
-from shoal.node.reachability import ReachService
-from shoal.node.restarts import RestartWatch, forget_restarted
-from shoal.node.rollout import RolloutService, RolloutWorker
-from shoal.node.stage_repair import repair_stage, stage_was_lost
-from shoal.node.state_keeper import StateKeeper
-from shoal.node.transport import call, serve, unserve
-from shoal.node.worker import StageWorker
+from shoal.node.net import reachability
+from shoal.node.net.health import HealthService
+from shoal.node.net.links import LinkMonitor
+from shoal.node.net.pipeline_service import PipelineService
+from shoal.node.net.reachability import ReachService
+from shoal.node.net.restarts import RestartWatch, forget_restarted
+from shoal.node.net.transport import call, serve, unserve
+from shoal.node.pipeline.data.driver import DataDriver
+from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.rollout.worker import RolloutService, RolloutWorker
+from shoal.node.stage.repair import repair_stage, stage_was_lost
+from shoal.node.state.keeper import StateKeeper
 from shoal.planning.assignment import Candidate
 from shoal.planning.costs import CostModel
 from shoal.planning.observed import observed_view

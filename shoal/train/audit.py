@@ -27,7 +27,7 @@ nobody. (Counting twins twice blamed an honest third replica, left out of NoLoCo
 epochs, as far from a "majority" that was one pair of weights.) Only what passed teaches the spread,
 so a hostile replica cannot widen it.
 Pure: tensors and tuples in, verdicts and a new history out; the data node does the sending
-(shoal/node/auditor.py).
+(shoal/node/pipeline/data/auditor.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.transport import RemoteError, open_call, read_reply
+from shoal.node.net.transport import RemoteError, open_call, read_reply
 from shoal.protocol.pipeline import Ack
 
 Reply = TypeVar("Reply")

@@ -31,7 +31,7 @@ from shoal.logs import printable
 from shoal.train.audit import AuditConfig, StageSpread, excluded, judge, learn, measure, refused_by_partners
 
 if TYPE_CHECKING:
-    from shoal.node.data_driver import DataDriver
+    from shoal.node.pipeline.data.driver import DataDriver
     from shoal.planning.swarm_view import SwarmView
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from shoal.train.outer import (
 from shoal.train.robust import OuterHistory, norm, remember, screen_mean
 
 if TYPE_CHECKING:
-    from shoal.node.worker import StageWorker
+    from shoal.node.pipeline.worker.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 

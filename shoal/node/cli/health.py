@@ -70,7 +70,7 @@ async def ping(peer_id: str, maddrs: list[str], timeout_s: float) -> str:
 
     from hivemind.p2p import P2P
 
-    from shoal.node.transport import call
+    from shoal.node.net.transport import call
     from shoal.protocol.messages import Ping, Pong
     from shoal.protocol.version import PROTOCOL_VERSION
 

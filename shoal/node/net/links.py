@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from shoal.node.transport import call
+from shoal.node.net.transport import call
 from shoal.protocol.messages import Ping, Pong
 
 EWMA = 0.3  # weight of a new sample

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from hivemind.p2p import PeerID
 
-from shoal.node.transport import FramedStream
+from shoal.node.net.transport import FramedStream
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,

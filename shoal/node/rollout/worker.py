@@ -36,7 +36,7 @@ from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, ro
 from shoal.grpo.tasks import Prompt, get_task, task_seed
 from shoal.grpo.warmup import cached_warm_up
 from shoal.logs import printable
-from shoal.node.transport import FramedStream, call
+from shoal.node.net.transport import FramedStream, call
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.rollout import BadRollout, RolloutBundle, validate_bundle

@@ -24,7 +24,7 @@ import torch
 
 from shoal.logs import printable
 from shoal.node.compute import BACKWARD
-from shoal.node.transport import FramedStream, open_call, read_reply
+from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GossipRequest
 from shoal.protocol.tensors import TensorSpec
@@ -52,7 +52,7 @@ from shoal.train.robust import (
 )
 
 if TYPE_CHECKING:
-    from shoal.node.worker import StageWorker
+    from shoal.node.pipeline.worker.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 

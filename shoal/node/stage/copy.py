@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.node.compute import BACKWARD
-from shoal.node.transport import FramedStream, open_call, read_reply
+from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
@@ -21,7 +21,7 @@ from shoal.train.outer import check_partner_tensors
 
 if TYPE_CHECKING:
     from shoal.node.daemon import Node
-    from shoal.node.worker import StageWorker
+    from shoal.node.pipeline.worker.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 

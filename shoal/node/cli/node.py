@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shoal.node.runtime import EXIT_TIMEOUT_S
+from shoal.node.config import EXIT_TIMEOUT_S
 
 
 def add_network_arguments(parser: argparse.ArgumentParser, with_identity: bool = True) -> None:
@@ -293,8 +293,8 @@ def run(args: argparse.Namespace) -> int:
     config = node_config(args)
     import torch
 
+    from shoal.node.cli.runtime import run_daemon
     from shoal.node.daemon import Node
-    from shoal.node.runtime import run_daemon
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from shoal.node.command import add_network_arguments
+from shoal.node.cli.node import add_network_arguments
 from shoal.planning.swarm_view import SwarmView
 
 

@@ -22,11 +22,11 @@ from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.split_backward import WeightGrads
 from shoal.model.stages import build_stage
-from shoal.node.auditor import Auditor
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
-from shoal.node.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward, step_close_patience_s
-from shoal.node.ledger import MicrobatchLedger
-from shoal.node.transport import FramedStream, call, pooled_call
+from shoal.node.net.transport import FramedStream, call, pooled_call
+from shoal.node.pipeline.data.auditor import Auditor
+from shoal.node.pipeline.data.ledger import MicrobatchLedger
+from shoal.node.pipeline.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward, step_close_patience_s
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions

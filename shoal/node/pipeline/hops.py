@@ -17,7 +17,7 @@ import torch
 
 from shoal.logs import printable
 from shoal.node.compute import BACKGROUND, ComputeThread
-from shoal.node.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
+from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec

@@ -21,9 +21,10 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from shoal.node.config import EXIT_TIMEOUT_S
+
 logger = logging.getLogger(__name__)
 
-EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 FORCED_EXIT_STATUS = 1
 
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils import get_dht_time
 
-from shoal.node.stage_copy import FetchedStage, adopt_stage, fetch_stage
+from shoal.node.stage.copy import FetchedStage, adopt_stage, fetch_stage
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer
 from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild
 
 if TYPE_CHECKING:
     from shoal.node.daemon import Node
-    from shoal.node.worker import StageWorker
+    from shoal.node.pipeline.worker.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 

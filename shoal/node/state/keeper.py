@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shoal.node.stage_copy import copy_stage
-from shoal.node.state_dir import SavedState, StateDir
+from shoal.node.stage.copy import copy_stage
+from shoal.node.state.store import SavedState, StateDir
 from shoal.planning.swarm_view import ROLE_ROLLOUT, STATE_ACTIVE
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState

@@ -24,12 +24,12 @@ import torch
 
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.model.stages import build_stage
-from shoal.node.averaging import NoLoCoAverager
+from shoal.node.averaging.diloco import DiLoCoAverager
+from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
-from shoal.node.diloco import DiLoCoAverager
-from shoal.node.hops import HopFailed, PipelineEngine, push_forward, step_close_patience_s
-from shoal.node.stage_copy import copy_stage, serve_stage_copy
-from shoal.node.transport import FramedStream, call
+from shoal.node.net.transport import FramedStream, call
+from shoal.node.pipeline.hops import HopFailed, PipelineEngine, push_forward, step_close_patience_s
+from shoal.node.stage.copy import copy_stage, serve_stage_copy
 from shoal.planning.swarm_view import ROLE_DATA
 from shoal.protocol.pipeline import (
     AbandonNotice,
@@ -686,7 +686,7 @@ class StageWorker(PipelineEngine):
             return
         from shoal.adversary.stage import STAGE_ATTACKS, make_stage_attack
         from shoal.model.corpus import cache_dir
-        from shoal.node.hops import WIRE_MAX_ABS
+        from shoal.node.pipeline.hops import WIRE_MAX_ABS
 
         if name not in STAGE_ATTACKS:
             return

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from shoal.node.transport import FramedStream, call
+from shoal.node.net.transport import FramedStream, call
 from shoal.protocol.messages import ReachReply, ReachRequest
 
 logger = logging.getLogger(__name__)

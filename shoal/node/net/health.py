@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from hivemind.p2p import PeerID
 
-from shoal.node.transport import FramedStream
+from shoal.node.net.transport import FramedStream
 from shoal.protocol.messages import Ping, Pong
 from shoal.protocol.version import PROTOCOL_VERSION
 

@@ -1,0 +1,1 @@
+"""Replicas of a stage that share weights every H steps: NoLoCo's pairs and the DiLoCo baseline."""

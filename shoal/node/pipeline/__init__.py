@@ -1,0 +1,1 @@
+"""Microbatches through the pipeline: the hop layer both kinds of pipeline engine share."""

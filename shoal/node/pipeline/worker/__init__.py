@@ -1,0 +1,1 @@
+"""The stage worker's engine: forward, backward, inner steps, the redo of a lost hop."""

@@ -1,0 +1,1 @@
+"""The rollout worker's engine: GRPO rounds between peers."""

@@ -1,0 +1,1 @@
+"""Getting a stage's weights: copy them from a live replica, or rebuild them from the neighbours (CheckFree)."""

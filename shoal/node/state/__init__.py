@@ -1,0 +1,1 @@
+"""A node's state on disk (--state-dir): the format and its checks, and the keeper that saves and resumes."""
