@@ -48,10 +48,10 @@ from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
 from shoal.grpo.policy import PolicySpec
 from shoal.node.net.health import HealthService
-from shoal.node.net.pipeline_service import PipelineService
+from shoal.node.net.pipeline_service import EngineService
 from shoal.node.net.reachability import ReachService
 from shoal.node.net.transport import FramedStream, call, open_call, rpc_methods, serve
-from shoal.node.rollout.worker import MAX_PENDING_PER_PEER, RolloutService
+from shoal.node.rollout.worker import MAX_PENDING_PER_PEER
 from shoal.protocol.codec import decode, encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.limits import CHUNK_BYTES, INT64_MAX, INT64_MIN, MAX_MESSAGE_BYTES
@@ -78,7 +78,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 # The services a node and a bootstrap peer register (Node._start, BootstrapPeer.create); a class
 # that grows an rpc_* method is fuzzed as it is.
-NODE_SERVICES = (HealthService, ReachService, PipelineService, RolloutService)
+NODE_SERVICES = (HealthService, ReachService, EngineService)
 BOOTSTRAP_SERVICES = (ReachService,)
 
 

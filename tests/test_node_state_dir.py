@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ import torch
 
 from shoal.errors import UsageError
 from shoal.model.stages import build_stage
-from shoal.node.state.keeper import restore
+from shoal.node.engine import restore_trained
+from shoal.node.state.keeper import trained_state
 from shoal.node.state.store import MANIFEST, SavedState, StateDir, StateRefused
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState
@@ -66,15 +66,6 @@ def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-@dataclass
-class Engine:
-    """What `restore` loads into: a stage's module, its inner optimizer and (optionally) an averager."""
-
-    module: torch.nn.Module
-    optimizer: InnerOptimizer
-    averager: object | None = None
-
-
 def test_a_saved_stage_loads_back_and_trains_on_exactly_as_the_original(tmp_path):
     run = tiny_run()
     store = StateDir(tmp_path)
@@ -95,14 +86,13 @@ def test_a_saved_stage_loads_back_and_trains_on_exactly_as_the_original(tmp_path
 
     # restored into a fresh stage, the next step is bit for bit the original's next step
     fresh = build_stage(run.model, run.pipeline.stages, 1, seed=123)
-    engine = Engine(fresh, InnerOptimizer(fresh, run.optim, run.train.steps))
-    restore(engine, loaded, run)
-    assert engine.optimizer.step_count == 3
+    restored = restore_trained(fresh, trained_state(loaded), run)
+    assert restored.step_count == 3
     x = torch.randn(2, 8, run.model.d_model, generator=torch.Generator().manual_seed(9))
-    for m, opt in ((module, optimizer), (engine.module, engine.optimizer)):
+    for m, opt in ((module, optimizer), (fresh, restored)):
         m(x).pow(2).mean().backward()
         opt.step()
-    for a, b in zip(module.parameters(), engine.module.parameters(), strict=True):
+    for a, b in zip(module.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

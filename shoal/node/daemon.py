@@ -30,19 +30,21 @@ from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
+from shoal.node.context import NodeContext
+from shoal.node.engine import Engine, Progress
+from shoal.node.hooks import Faults, Hooks
 from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.net import reachability
 from shoal.node.net.health import HealthService
 from shoal.node.net.links import LinkMonitor
-from shoal.node.net.pipeline_service import PipelineService
+from shoal.node.net.pipeline_service import EngineService
 from shoal.node.net.reachability import ReachService
-from shoal.node.net.restarts import RestartWatch, forget_restarted
+from shoal.node.net.restarts import RestartWatch
 from shoal.node.net.transport import call, serve, unserve
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
-from shoal.node.rollout.worker import RolloutService, RolloutWorker
-from shoal.node.stage.repair import repair_stage, stage_was_lost
-from shoal.node.state.keeper import StateKeeper
+from shoal.node.rollout.worker import RolloutWorker
+from shoal.node.state.keeper import Holder, StateKeeper
 from shoal.planning.assignment import Candidate
 from shoal.planning.costs import CostModel
 from shoal.planning.observed import observed_view
@@ -120,6 +122,18 @@ def routing_policy(config: NodeConfig, run: RunConfig) -> str:
     return "random" if run.averaging.mode == "noloco" else "gwtf"
 
 
+def node_hooks(config: NodeConfig) -> Hooks:
+    """The node's fault injection and experiment (`--inject-*`, `--experiment-adversary`); by default none."""
+    faults = Faults(
+        crash_at_step=config.inject_crash_at_step,
+        forward_delay_s=config.inject_forward_delay_s,
+        upstream_delay=config.inject_upstream_delay,
+        close_delay_s=config.inject_close_delay_s,
+        close_stall=config.inject_close_stall,
+    )
+    return Hooks(faults, config.experiment_adversary)
+
+
 def published_number(value: float | None, cap: float = MAX_RECORD_NUMBER) -> float | None:
     """A measurement as a record may carry it: None when unknown or not finite, capped at `cap`."""
     if value is None or not math.isfinite(value):
@@ -135,17 +149,11 @@ class Node:
         self.state = STATE_JOINING
         self.stage: int | None = None
         self.max_inflight = 1
-        self.inner_step = 0
-        self.outer_epoch = 0
-        self.loss: float | None = None
-        self.grad_norm: float | None = None
-        self.grad_norm_clipped: float | None = None
-        self.repair: dict | None = None  # CheckFree: how this node rebuilt its stage (see stage_repair.py)
-        self.replica_distance: float | None = None  # to the last NoLoCo partner, before averaging
         self.view: SwarmView | None = None
         self.router = PeerRouter(routing_policy(config, run), run_cost_model(run), seed=dht.peer_id)
         self.links = LinkMonitor(dht.p2p, dht.peer_id)
-        self.engine: StageWorker | DataDriver | RolloutWorker | None = None
+        self.hooks = node_hooks(config)
+        self.engine: Engine | None = None
         self.memory_samples: list[tuple[float, int]] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -234,6 +242,36 @@ class Node:
         holders = ", ".join(f"stage {s}: {' '.join(v) or 'none'}" for s, v in speeds.items())
         return f"{seen}; others seen, by speed: {holders}"
 
+    def context(self) -> NodeContext:
+        """What an engine built now gets of this node (context.py)."""
+        return NodeContext(
+            peer_id=self.peer_id,
+            run=self.run,
+            config=self.config,
+            p2p=self.dht.p2p,
+            router=self.router,
+            links=self.links,
+            started_at=self.started_at,
+            max_inflight=self.max_inflight,
+            current_view=lambda: self.view,
+            read_view=self.refresh_view,
+            publish=self.publish,
+            hooks=self.hooks,
+        )
+
+    def progress(self) -> Progress:
+        """What the engine reports of its work (an empty record before there is one)."""
+        return self.engine.progress() if self.engine is not None else Progress()
+
+    def holder(self) -> Holder:
+        return Holder(self.run, self.peer_id, int(self.stage or 0), self.role)
+
+    def current(self) -> tuple[Engine | None, Holder]:
+        return self.engine, self.holder()
+
+    def handlers(self):
+        return self.engine.handlers() if self.engine is not None else {}
+
     def candidate(self) -> Candidate:
         return Candidate(
             peer_id=self.peer_id,
@@ -247,6 +285,7 @@ class Node:
         """This node's DHT record. Numbers that went non-finite or huge (a diverged loss, a poisoned
         gradient norm) are published as unknown or capped: a record that fails the schema would expire
         and silently take the node out of the swarm."""
+        progress = self.progress()
         return {
             "kind": "node",
             "run_id": self.run.run_id,
@@ -257,22 +296,22 @@ class Node:
             "state": self.state,
             "block_throughput": float(self.block_throughput),
             "max_inflight": int(self.max_inflight),
-            "inner_step": int(self.inner_step),
-            "outer_epoch": int(self.outer_epoch),
-            "loss": published_number(self.loss),
-            "grad_norm": published_number(self.grad_norm),
-            "grad_norm_clipped": published_number(self.grad_norm_clipped),
+            "inner_step": int(progress.inner_step),
+            "outer_epoch": int(progress.outer_epoch),
+            "loss": published_number(progress.loss),
+            "grad_norm": published_number(progress.grad_norm),
+            "grad_norm_clipped": published_number(progress.grad_norm_clipped),
             "protocol_version": PROTOCOL_VERSION,
             "started_at": self.started_at,
             "updated_at": float(get_dht_time()),
-            "waiting_for": [int(s) for s in getattr(self.engine, "waiting_for", ())],
+            "waiting_for": [int(s) for s in progress.waiting_for],
             "links": self.links.advertised(),
-            "replica_distance": published_number(self.replica_distance),
-            "averager_maddrs": list(getattr(getattr(self.engine, "averager", None), "maddrs", [])),
-            "repair": self.repair,
-            "model_id": getattr(self.engine, "model_id", None),
+            "replica_distance": published_number(progress.replica_distance),
+            "averager_maddrs": list(progress.averager_maddrs),
+            "repair": progress.repair.as_record() if progress.repair is not None else None,
+            "model_id": progress.model_id,
             "reachable": self.reachable,
-            "excluded": list(getattr(self.engine, "excluded", ())),  # [{peer_id, reason}], bounded by the engine
+            "excluded": list(progress.excluded),  # [{peer_id, reason}], bounded by the engine
         }
 
     async def publish(self) -> bool:
@@ -291,7 +330,8 @@ class Node:
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
-        for service in (HealthService(self), ReachService(), PipelineService(self), RolloutService(self)):
+        services = (HealthService(lambda: (self.state, self.stage)), ReachService(), EngineService(self.handlers))
+        for service in services:
             self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s, self.errors, self.short_id)
         if self.role == ROLE_ROLLOUT:
             await self._start_rollouts()
@@ -315,9 +355,9 @@ class Node:
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
         if self.keeper is not None:
-            self._tasks.append(asyncio.create_task(self.keeper.run(self), name="save state"))
+            self._tasks.append(asyncio.create_task(self.keeper.run(self.current), name="save state"))
         if self.stage == 0:
-            self._tasks.append(asyncio.create_task(self._train(self.engine), name="train"))
+            self._tasks.append(asyncio.create_task(self._run_engine(self.engine), name="train"))
         self._write_ready_file()
         logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
 
@@ -330,8 +370,8 @@ class Node:
         c = self.config
         spec = PolicySpec(task=self.run.grpo.task, d_model=c.policy_width, n_layers=c.policy_depth,
                           n_heads=c.policy_heads, seed=c.policy_seed, warmup_steps=c.warmup_steps)  # fmt: skip
-        worker = RolloutWorker(self, spec, Path(c.policy_cache) if c.policy_cache else cache_dir() / "grpo")
-        await worker.prepare()
+        worker = RolloutWorker(self.context(), spec, Path(c.policy_cache) if c.policy_cache else cache_dir() / "grpo")
+        await worker.start()
         self.stage, self.engine = 0, worker
         self.view = await self.answering_view()
         await self.check_reachability()
@@ -339,7 +379,7 @@ class Node:
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
-        self._tasks.append(asyncio.create_task(self._train(worker), name="rounds"))
+        self._tasks.append(asyncio.create_task(self._run_engine(worker), name="rounds"))
         self._write_ready_file()
         logger.info("[%s] active: rollout worker with policy %s", self.short_id, worker.model_id)
 
@@ -378,8 +418,8 @@ class Node:
         self.view = view
         self._note_restarts(view)
         links = {**view.measured_links(), **self.links.measured()}
-        trips = getattr(self.engine, "trips", None)
-        routed = observed_view(view, list(trips), self.router.cost.backward_factor) if trips else view
+        trips = list(self.engine.trips()) if self.engine is not None else []
+        routed = observed_view(view, trips, self.router.cost.backward_factor) if trips else view
         self.router.update(Snapshot(routed, self.peer_id, links))
         return view
 
@@ -388,7 +428,7 @@ class Node:
         restarted = self.restarts.restarted(view)
         if restarted and self.engine is not None:
             logger.info("[%s] peer(s) restarted: %s", self.short_id, sorted(p[-8:] for p in restarted))
-            forget_restarted(self.engine, restarted, {n.peer_id for n in view.live_nodes()})
+            self.engine.on_peer_restarted(restarted, {n.peer_id for n in view.live_nodes()})
 
     async def refresh_view(self) -> SwarmView:
         return self.observe_view(await self.dht.read_view(self.run))
@@ -409,33 +449,33 @@ class Node:
 
     async def _build_engine(self) -> None:
         if self.engine is not None:
-            await self.engine.shutdown()
+            await self.engine.stop()
         if self.stage == 0:
-            driver = DataDriver(self, self.config.data_shard, self.config.data_shards, self.config.progress_file)
-            await driver.prepare()
+            c = self.config
+            driver = DataDriver(self.context(), c.data_shard, c.data_shards, c.progress_file)
+            await driver.start()
             self.engine = driver
             await self._resume(driver)
         else:
-            worker = StageWorker(self, self.stage)
+            worker = StageWorker(self.context(), self.stage)
             self.engine = worker
             resumed = await self._resume(worker)  # whose weights: our own saved ones, or a replica's copied
             source = self.peer_id if resumed else await worker.join_by_copy()  # before we announce ourselves active
-            if source is None and stage_was_lost(worker):
-                await repair_stage(worker)
-            elif source is None and self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
-                logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
-                               self.short_id, self.stage)  # fmt: skip
-            await worker.start_averaging()
+            if source is None and await worker.repair_if_lost() is None:
+                if self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
+                    logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
+                                   self.short_id, self.stage)  # fmt: skip
+            await worker.start()
 
-    async def _resume(self, engine: StageWorker | DataDriver) -> bool:
+    async def _resume(self, engine: Engine) -> bool:
         """--state-dir: take this node's saved state for its stage (or a live replica's, if that
         trained further); whether the engine now holds trained weights from either."""
-        return self.keeper is not None and await self.keeper.resume(self, engine)
+        return self.keeper is not None and await self.keeper.resume(engine, self.holder(), self.view)
 
-    async def _train(self, driver: DataDriver | RolloutWorker) -> None:
+    async def _run_engine(self, engine: Engine) -> None:
         try:
-            await driver.train()
-            logger.info("[%s] training done: %s", self.short_id, driver.summary)
+            summary = await engine.work()
+            logger.info("[%s] training done: %s", self.short_id, summary)
         except Exception:
             self.errors["training"] += 1
             logger.exception("[%s] training failed", self.short_id)
@@ -497,7 +537,7 @@ class Node:
         engine = self.engine
         if engine is None:
             return True
-        return self.inner_step == 0 and engine.movable
+        return self.progress().inner_step == 0 and engine.movable
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -513,17 +553,18 @@ class Node:
     def stats(self) -> dict:
         engine = self.engine
         samples = self.memory_samples
+        progress = self.progress()
         return {
             "peer_id": self.peer_id,
             "role": self.role,
             "stage": self.stage,
-            "inner_step": self.inner_step,
-            "loss": self.loss,
+            "inner_step": progress.inner_step,
+            "loss": progress.loss,
             "block_throughput": self.block_throughput,
             "max_inflight": self.max_inflight,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
-            "traffic": vars(engine.traffic) if engine else {},
+            "traffic": engine.traffic_counts() if engine else {},
             "engine": engine.stats() if engine else {},
         }
 
@@ -549,9 +590,9 @@ class Node:
         except Exception:
             logger.exception("[%s] could not write the stats file", self.short_id)
         if self.keeper is not None:
-            await self.keeper.close(self)  # the last save, after the drain: nothing is in flight any more
+            await self.keeper.close(self.current)  # the last save, after the drain: nothing is in flight any more
         if self.engine is not None:
-            await self.engine.shutdown()
+            await self.engine.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -3,7 +3,7 @@
 shoal node --initial-peers ... --metrics-port 9100   then   curl http://127.0.0.1:9100/metrics
 
 Every value is read from the node's own state when a scrape arrives (a custom collector), not
-counted a second time: the engines already keep their counts (`stats()`, `traffic`, the data
+counted a second time: the engines already keep their counts (`stats()`, `traffic_counts()`, the data
 node's ledger), the node its step, epoch, loss, view and error counts. The HTTP server runs on
 the node's event loop, not on prometheus_client's thread, so a scrape reads that state on the
 thread that changes it and never sees a dict in the middle of an update. Each node has its own
@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.http import answer_one_request
+from shoal.node.config import NodeConfig
+from shoal.node.engine import AbandonReason, Engine, Progress
+from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from shoal.bootstrap.peer import BootstrapPeer
-    from shoal.node.daemon import Node
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ MAX_REQUEST_BYTES = 8192
 
 # Abandon reasons are free text (peer ids, stage numbers, a peer's own words): a label takes only
 # the kind, from this short list, so a peer cannot grow the label set.
-REASON_KINDS = ("stage_lost", "attempts", "timeout", "forward", "backward", "recompute", "recover", "other")
+REASON_KINDS = tuple(kind.value for kind in AbandonReason)
 # Error kinds: the node's own (`Node.errors`) and those its engines already count.
 ERROR_KINDS = (
     "rpc_refused",  # a request that broke the protocol (bad message, bad tensor), refused
@@ -79,20 +83,45 @@ def _gauges(name: str, doc: str, label: str, values: Mapping[str, float]) -> Gau
     return family
 
 
+class MetricsSource(Protocol):
+    """What a node shows of itself (the daemon's `Node` is one)."""
+
+    peer_id: str
+    run: RunConfig
+    config: NodeConfig
+    state: str
+    stage: int | None
+    started_at: float
+    max_inflight: int
+    block_throughput: float
+    view: SwarmView | None
+    errors: Counter[str]
+    engine: Engine | None
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def short_id(self) -> str: ...
+
+    def progress(self) -> Progress: ...
+
+
 class NodeCollector:
-    """The metrics of one `Node`, read from its state at scrape time.
+    """The metrics of one node, read from its state at scrape time.
 
-    It reads the engine through `stats()` and `traffic`, the interface the node already uses for
-    its stats file, so it never asks which kind of engine it holds."""
+    It reads the engine through `stats()` and `traffic_counts()`, the interface the node already uses
+    for its stats file, so it never asks which kind of engine it holds."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: MetricsSource):
         self.node = node
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
         engine = node.engine
+        progress = node.progress()
         stats: dict[str, Any] = engine.stats() if engine is not None else {}
-        traffic: dict[str, Any] = vars(engine.traffic) if engine is not None else {}
+        traffic: dict[str, Any] = engine.traffic_counts() if engine is not None else {}
         info = {
             "peer_id": node.peer_id,
             "role": node.role,
@@ -105,12 +134,12 @@ class NodeCollector:
         yield InfoMetricFamily(f"{NAMESPACE}_node", "who this node is and what it holds", value=info)
         yield _gauge("stage", "the stage this node holds (0: data node or rollout worker)", node.stage or 0)
         yield _gauge("start_time_seconds", "when this node started (seconds since the epoch)", node.started_at)
-        yield _gauge("inner_step", "inner optimizer steps taken", node.inner_step)
-        yield _gauge("outer_epoch", "outer (averaging) epochs taken", node.outer_epoch)
-        if node.loss is not None:
-            yield _gauge("loss", "the last training loss this node saw", node.loss)
-        if node.grad_norm is not None:
-            yield _gauge("grad_norm", "the last gradient norm before clipping", node.grad_norm)
+        yield _gauge("inner_step", "inner optimizer steps taken", progress.inner_step)
+        yield _gauge("outer_epoch", "outer (averaging) epochs taken", progress.outer_epoch)
+        if progress.loss is not None:
+            yield _gauge("loss", "the last training loss this node saw", progress.loss)
+        if progress.grad_norm is not None:
+            yield _gauge("grad_norm", "the last gradient norm before clipping", progress.grad_norm)
         yield _gauge("max_inflight", "microbatches this node holds activations for at most", node.max_inflight)
         yield _gauge("block_throughput", "measured transformer blocks per second", node.block_throughput)
         yield from self._view()
@@ -245,7 +274,7 @@ class MetricsServer:
             await self.server.wait_closed()
 
 
-async def serve_node_metrics(node: Node) -> MetricsServer | None:
+async def serve_node_metrics(node: MetricsSource) -> MetricsServer | None:
     """The node's metrics endpoint, if its config asks for one (`--metrics-port`)."""
     port = node.config.metrics_port
     if port is None:

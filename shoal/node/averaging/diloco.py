@@ -19,24 +19,14 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.node.averaging.base import Averager, Replica
 from shoal.node.compute import BACKWARD
-from shoal.train.outer import (
-    OuterConfig,
-    OuterState,
-    diloco_step,
-    epoch_ended,
-    load_slow_weights,
-    local_step,
-    pseudo_gradient,
-)
-from shoal.train.robust import OuterHistory, norm, remember, screen_mean
-
-if TYPE_CHECKING:
-    from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.context import NodeContext
+from shoal.train.outer import OuterConfig, diloco_step, load_slow_weights, local_step, pseudo_gradient
+from shoal.train.robust import norm, remember, screen_mean
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +35,23 @@ STARTUP_TIMEOUT_S = 60.0
 SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging with who came
 
 
-class DiLoCoAverager:
-    def __init__(self, worker: StageWorker):
-        self.worker = worker
-        self.node = worker.node
-        averaging = self.node.run.averaging
-        self.config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
-        self.timeout_s = averaging.exchange_timeout_s
-        self.state = OuterState.from_module(worker.module)
-        self.epoch = 0
+class DiLoCoAverager(Averager):
+    mode = "diloco"
+
+    def __init__(self, ctx: NodeContext, replica: Replica):
+        averaging = ctx.run.averaging
+        config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
+        super().__init__(ctx, replica, config)
         self.dht = None
         self.averager = None
-        self.maddrs: list[str] = []
+        self._maddrs: list[str] = []
         self.group_steps = 0
-        self.local_steps = 0
         self.group_sizes: list[int] = []
-        self.exchange_s: list[float] = []
-        self.stepping = False  # an outer step is under way
-        defense = self.node.run.defense  # the robust outer step (shoal/train/robust.py)
-        self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
-        self.history = OuterHistory()
         self.clipped = 0  # means the robust outer step clipped toward our own pseudo-gradient
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self._maddrs
 
     async def start(self) -> None:
         """Start this replica's averaging DHT and averager, joined to the other replicas' (blocking
@@ -83,13 +69,13 @@ class DiLoCoAverager:
             signal.signal(signal.SIGINT, previous)
         await loop.run_in_executor(None, self.averager.wait_until_ready, STARTUP_TIMEOUT_S)
         logger.info("[%s] DiLoCo averager for stage %d up (joined %d addresses)",
-                    self.node.short_id, self.worker.stage, len(initial))  # fmt: skip
+                    self.ctx.short_id, self.worker.stage, len(initial))  # fmt: skip
 
     async def _seniors_ready(self) -> list:
         """The other replicas of our stage, once every more senior one advertises its averaging DHT
         (bounded): replicas that start together would otherwise each start a DHT of their own and
         never meet. The most senior starts at once; the others join it."""
-        node, stage = self.node, self.worker.stage
+        node, stage = self.ctx, self.worker.stage
         me = (node.started_at, node.peer_id)
         deadline = time.monotonic() + SENIOR_WAIT_S
         while True:
@@ -109,31 +95,17 @@ class DiLoCoAverager:
         from hivemind.dht import DHT
 
         self.dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self._maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.averager = DecentralizedAverager(
             [torch.zeros_like(p) for p in self.state.phi],
             dht=self.dht,
-            prefix=f"shoal_{self.node.run.run_id}_stage{self.worker.stage}",
+            prefix=f"shoal_{self.ctx.run.run_id}_stage{self.worker.stage}",
             target_group_size=None,
             min_group_size=2,
             min_matchmaking_time=MIN_MATCHMAKING_S,
             allreduce_timeout=self.timeout_s,
             start=False,
         )
-
-    def due(self, closed_step: int) -> int | None:
-        return epoch_ended(closed_step, self.config.inner_steps, self.epoch)
-
-    def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
-        self.state = OuterState.from_tensors(phi)
-        self.epoch = epoch
-
-    async def outer_step(self, epoch: int) -> None:
-        self.stepping = True  # a saved snapshot (state_keeper.py) must not take new φ with old θ
-        try:
-            await self._outer_step(epoch)
-        finally:
-            self.stepping = False
 
     async def _outer_step(self, epoch: int) -> None:
         worker = self.worker
@@ -145,7 +117,7 @@ class DiLoCoAverager:
             mean = await asyncio.get_running_loop().run_in_executor(None, self._all_reduce, self._outgoing(delta))
         if mean is None:
             why = "no other replica of the stage" if alone else "no all-reduce group in time"
-            logger.info("[%s] epoch %d: %s; local outer step", self.node.short_id, epoch, why)
+            logger.info("[%s] epoch %d: %s; local outer step", self.ctx.short_id, epoch, why)
             self.state = local_step(self.state, delta, self.config)
             self.local_steps += 1
         else:
@@ -155,18 +127,17 @@ class DiLoCoAverager:
             self.group_steps += 1
         await worker.compute(load_slow_weights, worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch
-        self.node.outer_epoch = epoch
 
     async def _alone(self) -> bool:
         """Whether a fresh view shows no other replica of our stage. Matchmaking would look for a group
         until the exchange timeout, and the data node's next step waits for our outer step: a stage
         with one replica stalled the pipeline 10 s at every outer step."""
         try:
-            view = await self.node.refresh_view()
+            view = await self.ctx.refresh_view()
         except Exception as e:
-            logger.info("[%s] could not refresh the view (%r): trying the all-reduce", self.node.short_id, e)
+            logger.info("[%s] could not refresh the view (%r): trying the all-reduce", self.ctx.short_id, e)
             return False
-        return not any(n.peer_id != self.node.peer_id for n in view.replicas(self.worker.stage))
+        return not any(n.peer_id != self.ctx.peer_id for n in view.replicas(self.worker.stage))
 
     def _all_reduce(self, delta: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Put our Δ in, average with whoever matched, and read the mean (None if no group formed).
@@ -186,7 +157,7 @@ class DiLoCoAverager:
             control = self.averager.step(timeout=self.timeout_s, wait=False)
             gathered = control.result(timeout=self.timeout_s + MIN_MATCHMAKING_S + 5)
         except Exception as e:
-            logger.info("[%s] all-reduce failed: %r", self.node.short_id, e)
+            logger.info("[%s] all-reduce failed: %r", self.ctx.short_id, e)
             if control is not None:
                 with suppress(Exception):  # it may have ended on its own meanwhile
                     control.cancel()
@@ -203,7 +174,7 @@ class DiLoCoAverager:
         assert self.averager is not None
         lock = self.averager.lock_averaged_tensors
         if not lock.acquire(timeout=self.timeout_s):
-            logger.info("[%s] the averager's tensors are still held by an earlier all-reduce", self.node.short_id)
+            logger.info("[%s] the averager's tensors are still held by an earlier all-reduce", self.ctx.short_id)
             yield None
             return
         try:
@@ -211,7 +182,7 @@ class DiLoCoAverager:
         finally:
             lock.release()
 
-    async def shutdown(self) -> None:
+    async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
@@ -220,7 +191,7 @@ class DiLoCoAverager:
                 try:
                     part.shutdown()
                 except Exception as e:
-                    logger.debug("[%s] averaging shutdown: %r", self.node.short_id, e)
+                    logger.debug("[%s] averaging shutdown: %r", self.ctx.short_id, e)
 
     def stats(self) -> dict:
         return {
@@ -237,8 +208,7 @@ class DiLoCoAverager:
 
     def _outgoing(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """What we put into the all-reduce: our Δ, or what an experiment's hostile replica makes of it."""
-        attack = self.worker.attack
-        return delta if attack is None else attack.outer(self.state.phi, delta)[1]
+        return self.worker.hooks.outer(list(self.state.phi), delta)[1]
 
     def _screened(self, epoch: int, delta: list[torch.Tensor], mean: list[torch.Tensor]) -> list[torch.Tensor]:
         """The all-reduced mean, clipped toward our own Δ if it is far outside what we have seen (the
@@ -248,6 +218,6 @@ class DiLoCoAverager:
         mean, verdict = screen_mean(delta, mean, self.history, self.tolerance)
         if not verdict.accepted:
             self.clipped += 1
-            logger.warning("[%s] epoch %d: %s", self.node.short_id, epoch, verdict.reason)
+            logger.warning("[%s] epoch %d: %s", self.ctx.short_id, epoch, verdict.reason)
         self.history = remember(self.history, norm(delta), verdict, self.window)
         return mean

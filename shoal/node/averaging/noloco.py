@@ -18,12 +18,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.logs import printable
+from shoal.node.averaging.base import Averager, Replica
 from shoal.node.compute import BACKWARD
+from shoal.node.context import NodeContext
+from shoal.node.engine import OuterStep
 from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GossipRequest
@@ -31,9 +33,7 @@ from shoal.protocol.tensors import TensorSpec
 from shoal.train.audit import refused_by_partners
 from shoal.train.outer import (
     OuterConfig,
-    OuterState,
     check_partner_tensors,
-    epoch_ended,
     load_slow_weights,
     local_step,
     noloco_partner,
@@ -42,7 +42,6 @@ from shoal.train.outer import (
     replica_distance,
 )
 from shoal.train.robust import (
-    OuterHistory,
     PartnerVerdict,
     distance,
     epoch_step_bound,
@@ -50,9 +49,6 @@ from shoal.train.robust import (
     remember,
     screen_partner,
 )
-
-if TYPE_CHECKING:
-    from shoal.node.pipeline.worker.stage import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -65,56 +61,34 @@ MAX_REFUSALS_LISTED = 16  # partners refused by the robust outer step, as our re
 ODD_ONE_OUT_WAIT_S = 0.5
 
 
-class NoLoCoAverager:
-    def __init__(self, worker: StageWorker):
-        self.worker = worker
-        self.node = worker.node
-        averaging = self.node.run.averaging
-        self.config = OuterConfig.noloco(
+class NoLoCoAverager(Averager):
+    mode = "noloco"
+
+    def __init__(self, ctx: NodeContext, replica: Replica):
+        averaging = ctx.run.averaging
+        config = OuterConfig.noloco(
             alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
         )
-        self.timeout_s = averaging.exchange_timeout_s
-        self.state = OuterState.from_module(worker.module)
-        self.epoch = 0  # outer epochs finished
+        super().__init__(ctx, replica, config)
         self._offer: asyncio.Future | None = None  # our (phi, delta) for the epoch in progress
         self._offer_epoch = -1
         self._answered: asyncio.Future | None = None  # a partner's (phi, delta), once exchanged
         self.pair_steps = 0
-        self.local_steps = 0
         self.refused = 0
-        self.exchange_s: list[float] = []  # wall time of each pair exchange (offer ready -> partner's tensors in)
         self.distances: list[tuple[int, float]] = []  # (inner step, ‖θ − θ_partner‖ just before averaging)
-        self.stepping = False  # an outer step is under way
-        defense = self.node.run.defense  # the robust outer step (shoal/train/robust.py)
-        self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
-        self.history = OuterHistory()
         self.screened_out = 0  # partners the robust outer step refused
         self.refusals: dict[str, str] = {}  # partner -> why we last refused it (in our node record)
-        # per outer step: [epoch, partner (None: alone), whether its tensors were taken, ‖Δ_own‖, ‖φ_{t+1} − φ_t‖,
-        # ‖θ_partner − θ‖ of what was taken (None: nothing)]
-        self.outer_log: list[list] = []
+        self.outer_log: list[OuterStep] = []
         self._taken_from: str | None = None  # whose tensors the outer step in progress received
 
-    def due(self, closed_step: int) -> int | None:
-        """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
-        return epoch_ended(closed_step, self.config.inner_steps, self.epoch)
-
-    def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
-        """Take a live replica's slow weights (joining by copy)."""
-        self.state = OuterState.from_tensors(phi)
-        self.epoch = epoch
+    @property
+    def last_distance(self) -> float | None:
+        return self.distances[-1][1] if self.distances else None
 
     # ---- one outer step ---------------------------------------------------------------------------
 
-    async def outer_step(self, epoch: int) -> None:
-        """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
-        self.stepping = True  # a saved snapshot (state_keeper.py) must not take new φ with old θ
-        try:
-            await self._outer_step(epoch)
-        finally:
-            self.stepping = False
-
     async def _outer_step(self, epoch: int) -> None:
+        """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
         worker = self.worker
         delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
         loop = asyncio.get_running_loop()
@@ -123,9 +97,9 @@ class NoLoCoAverager:
         self._offer.set_result((list(self.state.phi), delta))
         self._offer_epoch = epoch
         try:
-            await self.node.refresh_view()  # a fresh list of the stage's replicas: pairs are drawn from it
+            await self.ctx.refresh_view()  # a fresh list of the stage's replicas: pairs are drawn from it
         except Exception as e:
-            logger.info("[%s] epoch %d: could not refresh the view (%r)", self.node.short_id, epoch, e)
+            logger.info("[%s] epoch %d: could not refresh the view (%r)", self.ctx.short_id, epoch, e)
         partner = self._partner(epoch)
         theirs = None
         started = time.monotonic()
@@ -135,20 +109,20 @@ class NoLoCoAverager:
             if partner is None:
                 if self._others():  # the odd one out, or our views differ: someone may still ask
                     theirs = await self._wait_for_call(min(ODD_ONE_OUT_WAIT_S, self.timeout_s / 3))
-            elif self.node.peer_id < partner:
+            elif self.ctx.peer_id < partner:
                 theirs = await self._call(partner, epoch, list(self.state.phi), delta)
                 theirs = theirs or await self._wait_for_call(self.timeout_s / 3)
             else:
                 theirs = await self._wait_for_call(self.timeout_s / 3)
                 theirs = theirs or await self._call(partner, epoch, list(self.state.phi), delta)
         except Exception as e:  # an unreachable partner, a broken stream, bad tensors: a local step
-            logger.info("[%s] epoch %d: exchange failed (%r)", self.node.short_id, epoch, e)
+            logger.info("[%s] epoch %d: exchange failed (%r)", self.ctx.short_id, epoch, e)
         finally:
             self._offer_epoch = -1  # late requests for this epoch are refused from here on
         if theirs is None and self._answered.done():
             theirs = self._answered.result()
         if theirs is None:
-            logger.info("[%s] epoch %d: no partner in time; local outer step", self.node.short_id, epoch)
+            logger.info("[%s] epoch %d: no partner in time; local outer step", self.ctx.short_id, epoch)
         if theirs is not None:
             self.exchange_s.append(time.monotonic() - started)
         await self._apply(epoch, delta, theirs)
@@ -162,18 +136,18 @@ class NoLoCoAverager:
             return None
 
     def _others(self) -> list[str]:
-        view = self.node.view
+        view = self.ctx.view
         stage = self.worker.stage
-        return [n.peer_id for n in (view.replicas(stage) if view else ()) if n.peer_id != self.node.peer_id]
+        return [n.peer_id for n in (view.replicas(stage) if view else ()) if n.peer_id != self.ctx.peer_id]
 
     def _partner(self, epoch: int) -> str | None:
-        view = self.node.view
+        view = self.ctx.view
         if view is None:
             return None
         replicas = [n.peer_id for n in view.replicas(self.worker.stage) if n.state == "active"]
-        if self.node.peer_id not in replicas:
-            replicas.append(self.node.peer_id)
-        return noloco_partner(self.node.run.run_id, self.worker.stage, epoch, replicas, self.node.peer_id)
+        if self.ctx.peer_id not in replicas:
+            replicas.append(self.ctx.peer_id)
+        return noloco_partner(self.ctx.run.run_id, self.worker.stage, epoch, replicas, self.ctx.peer_id)
 
     async def _apply(self, epoch: int, delta: list[torch.Tensor], theirs) -> None:
         before = self.state
@@ -187,29 +161,26 @@ class NoLoCoAverager:
             mine = [p + d for p, d in zip(before.phi, delta, strict=True)]
             their_theta = [p + d for p, d in zip(their_phi, their_delta, strict=True)]
             self.distances.append((self.worker.optimizer.step_count, replica_distance(mine, their_theta)))
-            self.node.replica_distance = self.distances[-1][1]
             self.pair_steps += 1
         gap = self.distances[-1][1] if theirs is not None else None  # ‖θ_partner − θ‖ of what we took
         moved = distance(self.state.phi, before.phi)
         if self.robust:
             self.history = remember(self.history, norm(delta), verdict, self.window, moved)
-        entry = [epoch, self._taken_from, theirs is not None, norm(delta), moved, gap]
-        self.outer_log.append([round(v, 6) if isinstance(v, float) else v for v in entry])
+        self.outer_log.append(OuterStep(epoch, self._taken_from, theirs is not None, norm(delta), moved, gap))
         await self.worker.compute(load_slow_weights, self.worker.module, self.state, priority=BACKWARD)
         self.epoch = epoch
-        self.node.outer_epoch = epoch
 
     # ---- the exchange, both sides ------------------------------------------------------------------
 
     async def _call(self, partner: str, epoch: int, phi, delta) -> tuple[list, list] | None:
-        stream = await open_call(self.node.dht.p2p, partner, "rpc_gossip", self.timeout_s)
+        stream = await open_call(self.ctx.p2p, partner, "rpc_gossip", self.timeout_s)
         try:
             await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(phi)))
             await self._send(stream, phi, delta)
             ack = await read_reply(stream, Ack)
             if not ack.accepted:
                 self.refused += 1
-                logger.info("[%s] epoch %d: %s declined: %s", self.node.short_id, epoch, partner[-8:], ack.reason)
+                logger.info("[%s] epoch %d: %s declined: %s", self.ctx.short_id, epoch, partner[-8:], ack.reason)
                 return None
             return (*await self._receive(stream), partner)
         finally:
@@ -237,7 +208,7 @@ class NoLoCoAverager:
             return f"this node holds stage {self.worker.stage}, not {request.stage}"
         if request.tensors != len(self.state.phi):
             return f"expected {len(self.state.phi)} tensors, got {request.tensors}"
-        view = self.node.view
+        view = self.ctx.view
         if view is None or sender not in {n.peer_id for n in view.replicas(self.worker.stage)}:
             return "not a live replica of this stage"
         if request.epoch <= self.epoch:
@@ -255,8 +226,7 @@ class NoLoCoAverager:
         return None
 
     async def _send(self, stream: FramedStream, phi, delta) -> None:
-        attack = self.worker.attack  # an experiment's hostile replica sends what its attack makes of them
-        phi, delta = (phi, delta) if attack is None else attack.outer(phi, delta)
+        phi, delta = self.worker.hooks.outer(phi, delta)  # an experiment's hostile replica: what its attack makes
         for tensor in (*phi, *delta):
             await stream.write_tensor(tensor, WIRE_DTYPE)
 
@@ -287,7 +257,7 @@ class NoLoCoAverager:
             "bytes_per_exchange": 2 * 4 * sum(p.numel() for p in self.state.phi),  # φ and θ − φ, float32, each way
             "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
             "screened_out": self.screened_out,
-            "outer_log": self.outer_log,
+            "outer_log": [step.as_list() for step in self.outer_log],
             "refusals": self.excluded,
         }
 
@@ -314,9 +284,9 @@ class NoLoCoAverager:
                     self.refusals[partner] = printable(f"robust outer step, epoch {epoch}: {verdict.reason}", 200)
                     while len(self.refusals) > MAX_REFUSALS_LISTED:
                         del self.refusals[next(iter(self.refusals))]
-                    logger.warning("[%s] epoch %d: refused %s as partner: %s", self.node.short_id, epoch,
+                    logger.warning("[%s] epoch %d: refused %s as partner: %s", self.ctx.short_id, epoch,
                                    partner[-8:], verdict.reason)  # fmt: skip
-                    self.worker.spawn(self.node.publish(), "publish a refusal")  # data nodes act on it: say it now
+                    self.worker.spawn(self.ctx.publish(), "publish a refusal")  # data nodes act on it: say it now
                     theirs = None
         return theirs, verdict
 
@@ -326,19 +296,19 @@ class NoLoCoAverager:
         not taken even when they look within our own limits. A backdoor replica's slow weights keep
         its direction after data nodes stop routing to it and its Δ shrinks to nothing; honest replicas
         that had not met it yet took them."""
-        view = self.node.view
+        view = self.ctx.view
         if view is None:
             return {}
         stage = self.worker.stage
         replicas = [n for n in view.live_nodes() if n.stage == stage and n.stage > 0]
-        stage_of = {n.peer_id: stage for n in replicas} | {self.node.peer_id: stage}
-        refusals = {n.peer_id: {peer for peer, _ in n.excluded} for n in replicas if n.peer_id != self.node.peer_id}
-        refusals[self.node.peer_id] = set(self.refusals)
+        stage_of = {n.peer_id: stage for n in replicas} | {self.ctx.peer_id: stage}
+        refusals = {n.peer_id: {peer for peer, _ in n.excluded} for n in replicas if n.peer_id != self.ctx.peer_id}
+        refusals[self.ctx.peer_id] = set(self.refusals)
         return refused_by_partners(refusals, stage_of)
 
     def _step_bound(self, epoch: int) -> float:
         """M for this epoch's H inner steps (robust.epoch_step_bound), at the run's learning rates."""
-        run, parameters = self.node.run, sum(p.numel() for p in self.state.phi)
+        run, parameters = self.ctx.run, sum(p.numel() for p in self.state.phi)
         return epoch_step_bound(run.optim, run.train.steps, self.config.inner_steps, epoch, parameters)
 
     @property

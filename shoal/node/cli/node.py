@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
 
     async def announce(node: Node) -> None:
-        where = f"policy {node.engine.model_id}" if node.role == "rollout" else f"stage {node.stage}"
+        where = f"policy {node.progress().model_id}" if node.role == "rollout" else f"stage {node.stage}"
         run = f"{node.run.name}@{node.run.run_id}"
         print(f"node {node.peer_id} active: {node.role} on {where} of run {run}", flush=True)
         if node.metrics is not None:

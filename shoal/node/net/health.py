@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from hivemind.p2p import PeerID
 
@@ -10,19 +10,17 @@ from shoal.node.net.transport import FramedStream
 from shoal.protocol.messages import Ping, Pong
 from shoal.protocol.version import PROTOCOL_VERSION
 
-if TYPE_CHECKING:
-    from shoal.node.daemon import Node
-
 
 class HealthService:
-    def __init__(self, node: Node):
-        self.node = node
+    def __init__(self, standing: Callable[[], tuple[str, int | None]]):
+        self.standing = standing  # the node's state ("joining", "active", "leaving") and stage
 
     async def rpc_ping(self, request: Ping, stream: FramedStream, peer: PeerID) -> Pong:
+        state, stage = self.standing()
         return Pong(
             sent_at=request.sent_at,
             nonce=request.nonce,
-            peer_state=self.node.state,
-            stage=self.node.stage if self.node.stage is not None else -1,
+            peer_state=state,
+            stage=stage if stage is not None else -1,
             protocol_version=PROTOCOL_VERSION,
         )

@@ -1,12 +1,14 @@
-"""The pipeline RPCs every node serves, handed to whatever this node runs now (worker or data).
+"""The engine RPCs every node serves, handed to whatever engine the node runs now.
 
-An engine answers the requests it has a handler for (`on_<name>`); the rest are refused as "not
-served here", so the service never needs to know which kind of engine it talks to.
+An engine names the requests it answers (`Engine.handlers()`: `forward`, `backward`, `rollouts`, ...);
+the rest are refused with a reason, so the service never needs to know which kind of engine it
+talks to, and a node between engines (joining, moving stage) refuses everything as "not ready".
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from hivemind.p2p import PeerID
 
@@ -23,70 +25,74 @@ from shoal.protocol.pipeline import (
     StageCopyRequest,
     StepClose,
 )
+from shoal.protocol.rollout import RolloutBundle
 
-if TYPE_CHECKING:
-    from shoal.node.daemon import Node
+Handlers = Mapping[str, Callable[..., Awaitable[Any]]]
 
 
-class PipelineService:
-    def __init__(self, node: Node):
-        self.node = node
+class EngineService:
+    def __init__(self, handlers: Callable[[], Handlers]):
+        self.handlers = handlers  # the current engine's handlers (none before it is built)
 
-    def _handler(self, name: str):
-        return getattr(self.node.engine, name, None)
+    def _handler(self, name: str) -> Callable[..., Awaitable[Any]] | None:
+        return self.handlers().get(name)
 
     async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_forward")
+        handler = self._handler("forward")
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_backward(self, request: BackwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_backward")
+        handler = self._handler("backward")
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_recompute(self, request: RecomputeRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_recompute")
+        handler = self._handler("recompute")
         if handler is None:
             return Ack(accepted=False, reason="this node redoes no block stage")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_fetch_output(self, request: OutputRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("on_fetch_output")
+        handler = self._handler("fetch_output")
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         await handler(request, stream, peer.to_base58())
         return None
 
     async def rpc_abandon(self, notice: AbandonNotice, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_abandon")
+        handler = self._handler("abandon")
         return Ack(accepted=False, reason="not ready") if handler is None else await handler(notice, peer.to_base58())
 
     async def rpc_recover(self, request: RecoverRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_recover")
-        return (
-            Ack(accepted=False, reason="not served here")
-            if handler is None
-            else await handler(request, peer.to_base58())
-        )
+        handler = self._handler("recover")
+        if handler is None:
+            return Ack(accepted=False, reason="not served here")
+        return await handler(request, peer.to_base58())
 
     async def rpc_step_close(self, close: StepClose, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("on_step_close")
-        return (
-            Ack(accepted=False, reason="not served here") if handler is None else await handler(close, peer.to_base58())
-        )
+        handler = self._handler("step_close")
+        if handler is None:
+            return Ack(accepted=False, reason="not served here")
+        return await handler(close, peer.to_base58())
 
     async def rpc_gossip(self, request: GossipRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("on_gossip")
+        handler = self._handler("gossip")
         if handler is None:
             return Ack(accepted=False, reason="this node averages no stage")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("on_copy_stage")
+        handler = self._handler("copy_stage")
         if handler is None:
             return Ack(accepted=False, reason="this node holds no block stage")
         await handler(request, stream, peer.to_base58())
         return None
+
+    async def rpc_rollouts(self, bundle: RolloutBundle, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("rollouts")
+        if handler is None:
+            return Ack(accepted=False, reason="this node runs no rollouts")
+        return await handler(bundle, peer.to_base58())

@@ -11,8 +11,6 @@ engine lifts its ban on it (the ban was earned by the old process).
 
 from __future__ import annotations
 
-from typing import Any
-
 from shoal.planning.swarm_view import PeerID, SwarmView
 
 
@@ -30,18 +28,3 @@ class RestartWatch:
                 found.add(node.peer_id)
             self.started[node.peer_id] = max(before or 0.0, node.started_at)
         return found
-
-
-def forget_restarted(engine: Any, restarted: set[PeerID], live: set[PeerID]) -> None:
-    """Treat what `engine` sent through the `restarted` peers' old processes as lost with them."""
-    banned = getattr(engine, "banned_until", None)
-    if banned is not None:
-        for peer in restarted:
-            banned.pop(peer, None)
-    reap_lost = getattr(engine, "reap_lost", None)  # a data node: its microbatches through them
-    if reap_lost is not None:
-        reap_lost(live - restarted)
-    forget_origin = getattr(engine, "forget_origin", None)  # a worker: microbatches a restarted data node sent
-    if forget_origin is not None:
-        for peer in restarted:
-            forget_origin(peer)

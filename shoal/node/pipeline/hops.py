@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -23,7 +23,9 @@ from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, O
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:
-    from shoal.node.daemon import Node
+    from shoal.node.context import NodeContext
+    from shoal.planning.observed import Trip
+    from shoal.planning.swarm_view import SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,10 @@ class HopFailed(Exception):
     `refused` is True when the receiver answered (an error reply or a declined Ack): it is alive and
     said no. Otherwise the stream itself failed, which may be transient."""
 
-    def __init__(self, message: str, refused: bool = False):
+    def __init__(self, message: str, refused: bool = False, stage_lost: bool = False):
         super().__init__(message)
         self.refused = refused
+        self.stage_lost = stage_lost  # a stage on the way had no live replica for the whole stage wait
 
 
 @dataclass
@@ -69,16 +72,16 @@ class Traffic:
 class PipelineEngine:
     """What stage workers and data nodes share: compute thread, wire format, sending, bans."""
 
-    def __init__(self, node: Node):
-        self.node = node
-        self.run = node.run
+    def __init__(self, ctx: NodeContext):
+        self.ctx = ctx
+        self.run = ctx.run
         self.wire_dtype = self.run.pipeline.wire_dtype
-        self.compute_thread = ComputeThread(f"compute-{node.short_id}", trace_path=node.config.compute_trace)
+        self.compute_thread = ComputeThread(f"compute-{ctx.short_id}", trace_path=ctx.config.compute_trace)
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
         self.stream_retries = 0
-        self.streams = StreamPool(node.dht.p2p)  # kept streams for this engine's hops
+        self.streams = StreamPool(ctx.p2p)  # kept streams for this engine's hops
         self.recomputes_delegated = 0
         self._view_read_at = 0.0
         m, t = self.run.model, self.run.train
@@ -100,7 +103,7 @@ class PipelineEngine:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.error("[%s] %s failed: %r", self.node.short_id, task.get_name(), task.exception())
+            logger.error("[%s] %s failed: %r", self.ctx.short_id, task.get_name(), task.exception())
 
     def banned(self) -> set[str]:
         now = time.monotonic()
@@ -116,14 +119,14 @@ class PipelineEngine:
             return False
         self._view_read_at = time.monotonic()
         try:
-            await self.node.refresh_view()
+            await self.ctx.refresh_view()
         except Exception as e:
-            logger.info("[%s] could not read the view: %s", self.node.short_id, e)
+            logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
             return False
         return self._lists(peer_id, stages)
 
     def _lists(self, peer_id: str, stages: Collection[int] | None) -> bool:
-        view = self.node.view
+        view = self.ctx.view
         return view is not None and any(
             n.peer_id == peer_id and n.stage > 0 and (stages is None or n.stage in stages) for n in view.live_nodes()
         )
@@ -162,13 +165,13 @@ class PipelineEngine:
                 if e.refused or attempt == retries:
                     raise
                 self.stream_retries += 1
-                logger.info("[%s] %s to %s: %s; retrying", self.node.short_id, rpc, peer_id[-8:], e)
+                logger.info("[%s] %s to %s: %s; retrying", self.ctx.short_id, rpc, peer_id[-8:], e)
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
 
     async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
         """One hop on a kept stream to the peer if there is one (a kept stream found dead is replaced by
         a fresh one at once: the peer takes a repeat as done), else on a new stream."""
-        timeout_s = self.node.config.rpc_timeout_s
+        timeout_s = self.ctx.config.rpc_timeout_s
         started = time.monotonic()
         for fresh in (False, True):
             try:
@@ -194,13 +197,13 @@ class PipelineEngine:
         self.streams.give_back(peer_id, rpc, stream)
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
-        self.node.links.observe_send(peer_id, sent, time.monotonic() - started)
+        self.ctx.links.observe_send(peer_id, sent, time.monotonic() - started)
 
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
-        timeout_s = self.node.config.rpc_timeout_s
+        timeout_s = self.ctx.config.rpc_timeout_s
         try:
-            stream = await open_call(self.node.dht.p2p, peer_id, "rpc_fetch_output", timeout_s)
+            stream = await open_call(self.ctx.p2p, peer_id, "rpc_fetch_output", timeout_s)
         except Exception as e:
             raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
         try:
@@ -229,14 +232,14 @@ class PipelineEngine:
     def replacement(self, stage: int, exclude: set[str], prev: str, nxt: str) -> str | None:
         """Another live replica of `stage` to take over a hop between `prev` and `nxt`, by the node's
         routing policy (GWTF: the cheapest d(prev, j) + d(j, nxt)), or None if the view has none."""
-        return self.node.router.replace(stage, prev, nxt, self.banned() | exclude)
+        return self.ctx.router.replace(stage, prev, nxt, self.banned() | exclude)
 
     async def wait_for_replacement(self, stage: int, exclude: set[str], prev: str, nxt: str) -> str | None:
         """A live replica of `stage` outside `exclude`, waiting (bounded by the node's stage wait) while
         the view has none: a stage briefly without a replica is waited for, not given up on. Peers
         excluded or banned are tried again once nothing else is left."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.node.config.stage_wait_s
+        deadline = loop.time() + self.ctx.config.stage_wait_s
         while True:
             peer = self.replacement(stage, exclude, prev, nxt)
             if peer is not None:
@@ -247,7 +250,7 @@ class PipelineEngine:
             exclude = {p for p in exclude if self._still_listed(p, stage) is False}
 
     def _still_listed(self, peer_id: str, stage: int) -> bool:
-        view = self.node.view
+        view = self.ctx.view
         return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
 
     async def delegate_recompute(
@@ -260,9 +263,9 @@ class PipelineEngine:
         prev = request.origin if hop == 0 else request.route[hop - 1].peer_id
         tried = {failed}
         while True:
-            peer = await self.wait_for_replacement(stage, tried, prev, self.node.peer_id)
+            peer = await self.wait_for_replacement(stage, tried, prev, self.ctx.peer_id)
             if peer is None:
-                raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200])
+                raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200], stage_lost=True)
             route = list(request.route)
             route[hop] = Hop(stage=stage, peer_id=peer)
             redo = RecomputeRequest(
@@ -277,7 +280,7 @@ class PipelineEngine:
                 self.recomputes_delegated += 1
                 logger.info(
                     "[%s] %s: hop %d (stage %d) redone by %s after: %s",
-                    self.node.short_id,
+                    self.ctx.short_id,
                     request.microbatch_id,
                     hop,
                     stage,
@@ -290,7 +293,23 @@ class PipelineEngine:
                 tried.add(peer)
                 why = str(e)
 
-    async def shutdown(self) -> None:
+    # ---- what every pipeline engine answers the node (engine.py) --------------------------------------
+
+    def traffic_counts(self) -> dict[str, int]:
+        return asdict(self.traffic)
+
+    def trips(self) -> Sequence[Trip]:
+        return ()
+
+    def on_view(self, view: SwarmView) -> None:
+        """A fresh view of the swarm (each heartbeat)."""
+
+    def on_peer_restarted(self, restarted: set[str], live: set[str]) -> None:
+        """Lift our bans on peers that came back: the ban was earned by their old process."""
+        for peer in restarted:
+            self.banned_until.pop(peer, None)
+
+    async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -306,6 +325,7 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
     """
     failures: list[str] = []
     tried: set[str] = set()
+    stage_lost = False
     while True:
         home = request.hop == len(request.route)
         target = request.origin if home else request.route[request.hop].peer_id
@@ -313,8 +333,8 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
             started = time.monotonic()
             await engine.send(target, "rpc_forward", request, tensor)
             if not home:
-                engine.node.router.observe(
-                    engine.node.peer_id, target, request.route[request.hop].stage, time.monotonic() - started
+                engine.ctx.router.observe(
+                    engine.ctx.peer_id, target, request.route[request.hop].stage, time.monotonic() - started
                 )
             return request
         except HopFailed as e:
@@ -325,14 +345,15 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
                 break
             stage = request.route[request.hop].stage
             nxt = request.origin if request.hop + 1 == len(request.route) else request.route[request.hop + 1].peer_id
-            replica = await engine.wait_for_replacement(stage, tried, engine.node.peer_id, nxt)
+            replica = await engine.wait_for_replacement(stage, tried, engine.ctx.peer_id, nxt)
             if replica is None:
                 failures.append(f"stage_lost: no live replica of stage {stage}")
+                stage_lost = True
                 break
             route = list(request.route)
             route[request.hop] = Hop(stage=stage, peer_id=replica)
             logger.info(
-                "[%s] re-routing %s: stage %d -> %s", engine.node.short_id, request.microbatch_id, stage, replica[-8:]
+                "[%s] re-routing %s: stage %d -> %s", engine.ctx.short_id, request.microbatch_id, stage, replica[-8:]
             )
             request = ForwardRequest(
                 microbatch_id=request.microbatch_id,
@@ -342,4 +363,4 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
                 route=tuple(route),
                 needs_backward=request.needs_backward,
             )
-    raise HopFailed("; ".join(failures[-3:])[:200])
+    raise HopFailed("; ".join(failures[-3:])[:200], stage_lost=stage_lost)

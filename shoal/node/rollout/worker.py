@@ -20,12 +20,11 @@ import json
 import logging
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p import PeerID
 
 from shoal.config import GRPORunConfig
 from shoal.dht.records import MAX_EXCLUDED
@@ -36,14 +35,14 @@ from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, ro
 from shoal.grpo.tasks import Prompt, get_task, task_seed
 from shoal.grpo.warmup import cached_warm_up
 from shoal.logs import printable
-from shoal.node.net.transport import FramedStream, call
+from shoal.node.context import NodeContext
+from shoal.node.engine import Handler, Progress, TrainedState
+from shoal.node.net.transport import call
+from shoal.planning.observed import Trip
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.rollout import BadRollout, RolloutBundle, validate_bundle
 from shoal.train.grpo import GRPOConfig
-
-if TYPE_CHECKING:
-    from shoal.node.daemon import Node
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +92,14 @@ class RolloutWorker:
     movable = False
     waiting_for: tuple[int, ...] = ()
 
-    def __init__(self, node: Node, spec: PolicySpec, cache_dir: Path):
-        assert node.run.grpo is not None, "a rollout worker needs a GRPO run"
-        self.node, self.spec, self.cache_dir = node, spec, cache_dir
-        self.grpo: GRPORunConfig = node.run.grpo
-        self.cfg = round_config(self.grpo, node.run.run_id, node.peer_id)
-        if node.config.experiment_undefended:  # this node's defenses are its own; the run's config is the default
+    def __init__(self, ctx: NodeContext, spec: PolicySpec, cache_dir: Path):
+        assert ctx.run.grpo is not None, "a rollout worker needs a GRPO run"
+        self.ctx, self.spec, self.cache_dir = ctx, spec, cache_dir
+        self.grpo: GRPORunConfig = ctx.run.grpo
+        self.cfg = round_config(self.grpo, ctx.run.run_id, ctx.peer_id)
+        if ctx.config.experiment_undefended:  # this node's defenses are its own; the run's config is the default
             self.cfg = dataclasses.replace(self.cfg, defense=dataclasses.replace(self.cfg.defense, enabled=False))
-            logger.warning("[%s] EXPERIMENT: this node checks no peer's rollouts", node.short_id)
+            logger.warning("[%s] EXPERIMENT: this node checks no peer's rollouts", ctx.short_id)
         self.traffic = RolloutTraffic()
         self.round = 0  # the round this node is collecting (or about to)
         self.closed = -1  # rounds up to this one take no more bundles
@@ -110,15 +109,15 @@ class RolloutWorker:
         self._inbox: dict[int, dict[str, RolloutBundle]] = {}
         self._arrived = asyncio.Event()
         self._sends: set[asyncio.Task] = set()
-        self._progress = Path(node.config.progress_file) if node.config.progress_file else None
+        self._progress = Path(ctx.config.progress_file) if ctx.config.progress_file else None
         self.strikes = Strikes(self.cfg.defense.max_strikes, self.cfg.defense.strike_share)
         self.adversary = None
-        if node.config.experiment_adversary is not None:
+        if ctx.hooks.adversary is not None:
             from shoal.adversary.attacks import get_attack
 
-            self.adversary = get_attack(node.config.experiment_adversary)
+            self.adversary = get_attack(ctx.hooks.adversary)
             logger.warning(
-                "[%s] EXPERIMENT: this node shares poisoned rollouts (%s)", node.short_id, self.adversary.name
+                "[%s] EXPERIMENT: this node shares poisoned rollouts (%s)", ctx.short_id, self.adversary.name
             )
 
     @property
@@ -136,19 +135,50 @@ class RolloutWorker:
     def model_id(self) -> str:
         return self.spec.model_id
 
-    async def prepare(self) -> None:
+    # ---- what the node asks of its engine (engine.py) ------------------------------------------------
+
+    def handlers(self) -> Mapping[str, Handler]:
+        return {"rollouts": self.on_rollouts}
+
+    def progress(self) -> Progress:
+        return Progress(model_id=self.model_id, excluded=tuple(self.excluded))
+
+    def traffic_counts(self) -> dict[str, int]:
+        return dataclasses.asdict(self.traffic)
+
+    def trips(self) -> Sequence[Trip]:
+        return ()
+
+    def on_peer_restarted(self, restarted: set[str], live: set[str]) -> None:
+        """Rounds are per node and bundles self-contained: nothing was in flight through a peer."""
+
+    async def state_dict(self) -> TrainedState | None:
+        """Rollout workers keep only their identity (the policy is warmed up again, or cached)."""
+        return None
+
+    async def load_state_dict(self, state: TrainedState) -> None:
+        raise NotImplementedError("a rollout worker resumes from no saved state")
+
+    async def join_by_copy(self) -> str | None:
+        return None
+
+    async def work(self) -> dict | None:
+        await self.train()
+        return self.summary
+
+    async def start(self) -> None:
         """Warm the policy up (or load it from the cache) before the node announces itself."""
         loop = asyncio.get_running_loop()
         self.policy, report = await loop.run_in_executor(None, cached_warm_up, self.spec, self.cache_dir)
         self.optimizer = make_optimizer(self.policy, self.cfg)
-        self.generator = torch.Generator().manual_seed(task_seed(self.node.peer_id, "sampling") % 2**63)
+        self.generator = torch.Generator().manual_seed(task_seed(self.ctx.peer_id, "sampling") % 2**63)
         self.tokenizer = self.spec.tokenizer()
         self.heldout = heldout_prompts(get_task(self.grpo.task), self.grpo.seed, self.grpo.eval_prompts)
-        logger.info("[%s] policy %s ready (%s)", self.node.short_id, self.model_id,
+        logger.info("[%s] policy %s ready (%s)", self.ctx.short_id, self.model_id,
                     "cached" if report.get("cached") else f"warmed up in {report['seconds']:.1f} s")  # fmt: skip
 
     def on_view(self, view: SwarmView) -> None:
-        """Views arrive with the heartbeat; the worker reads `node.view` when it needs one."""
+        """Views arrive with the heartbeat; the worker reads `ctx.view` when it needs one."""
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -157,7 +187,7 @@ class RolloutWorker:
         reason = self._refusal(bundle, peer)
         if reason is not None:
             self.traffic.bundles_refused += 1
-            logger.warning("[%s] refused rollouts from %s: %s", self.node.short_id, peer[-8:], reason)
+            logger.warning("[%s] refused rollouts from %s: %s", self.ctx.short_id, peer[-8:], reason)
             return Ack(accepted=False, reason=reason[:200])
         self._inbox.setdefault(bundle.round, {})[peer] = bundle
         self.traffic.bundles_received += 1
@@ -206,13 +236,13 @@ class RolloutWorker:
 
     def _catch_up(self) -> int:
         """Jump to the latest round a listed rollout peer has already sent us; returns rounds skipped."""
-        view = self.node.view
-        listed = {n.peer_id for n in view.rollout_peers(self.node.peer_id)} if view is not None else set()
+        view = self.ctx.view
+        listed = {n.peer_id for n in view.rollout_peers(self.ctx.peer_id)} if view is not None else set()
         ahead = [r for r, by_peer in self._inbox.items() if r > self.round and listed & set(by_peer)]
         if not ahead:
             return 0
         target = max(ahead)
-        logger.info("[%s] peers are at round %d: jumping there from %d", self.node.short_id, target, self.round)
+        logger.info("[%s] peers are at round %d: jumping there from %d", self.ctx.short_id, target, self.round)
         skipped, self.round, self.closed = target - self.round, target, target - 1
         self._inbox = {r: b for r, b in self._inbox.items() if r >= target}
         return skipped
@@ -220,7 +250,7 @@ class RolloutWorker:
     async def _one_round(self, skipped: int) -> None:
         r, loop, began = self.round, asyncio.get_running_loop(), time.monotonic()
         self.busy = True
-        prompts = prompts_of(self.grpo, self.node.peer_id, r)
+        prompts = prompts_of(self.grpo, self.ctx.peer_id, r)
         own = await loop.run_in_executor(None, make_bundle, self.policy, self.cfg, prompts, self.generator)
         shared = own
         if self.adversary is not None:
@@ -229,7 +259,7 @@ class RolloutWorker:
             )
             shared = forgery.bundle
         peers = self._peers()
-        targets = random.Random(task_seed(self.node.peer_id, r)).sample(peers, min(self.grpo.max_peers, len(peers)))
+        targets = random.Random(task_seed(self.ctx.peer_id, r)).sample(peers, min(self.grpo.max_peers, len(peers)))
         for peer in targets:
             task = asyncio.create_task(self._send(peer, shared), name=f"rollouts-{r}")
             self._sends.add(task)
@@ -256,7 +286,7 @@ class RolloutWorker:
         )
         for peer, (completions, rejected, reason) in zip(senders, report.checks, strict=False):
             if self.cfg.defense.enabled and self.strikes.record(peer, completions, rejected, reason):
-                logger.warning("[%s] dropped %s as a source: %s", self.node.short_id, peer[-8:], reason)
+                logger.warning("[%s] dropped %s as a source: %s", self.ctx.short_id, peer[-8:], reason)
         event = {
             "event": "round",
             "round": r,
@@ -285,13 +315,13 @@ class RolloutWorker:
             self.accuracy.append([r + 1, event["accuracy"]])
         self.busy = False
         self._emit(event)
-        logger.info("[%s] round %d: reward %.3f, %d foreign bundles, %d refused%s", self.node.short_id, r,
+        logger.info("[%s] round %d: reward %.3f, %d foreign bundles, %d refused%s", self.ctx.short_id, r,
                     report.own_reward, len(foreign), len(report.refused),
                     f", accuracy {event['accuracy']:.3f}" if "accuracy" in event else "")  # fmt: skip
 
     def _peers(self) -> list[str]:
-        view = self.node.view
-        listed = [] if view is None else [n.peer_id for n in view.rollout_peers(self.node.peer_id)]
+        view = self.ctx.view
+        listed = [] if view is None else [n.peer_id for n in view.rollout_peers(self.ctx.peer_id)]
         return [peer for peer in listed if not self.strikes.is_dropped(peer)]
 
     def _marks(self, prompts: list[Prompt], own: RolloutBundle) -> dict[str, float]:
@@ -309,16 +339,16 @@ class RolloutWorker:
 
     async def _send(self, peer: str, bundle: RolloutBundle) -> None:
         try:
-            ack = await call(self.node.dht.p2p, peer, "rpc_rollouts", bundle, Ack, self.grpo.round_deadline_s)
+            ack = await call(self.ctx.p2p, peer, "rpc_rollouts", bundle, Ack, self.grpo.round_deadline_s)
         except Exception as error:  # a dead, slow or refusing peer: the round goes on without it
             self.traffic.send_failures += 1
-            logger.info("[%s] rollouts to %s failed: %s", self.node.short_id, peer[-8:], type(error).__name__)
+            logger.info("[%s] rollouts to %s failed: %s", self.ctx.short_id, peer[-8:], type(error).__name__)
             return
         if ack.accepted:
             self.traffic.bundles_sent += 1
         else:
             self.traffic.bundles_refused_by_peers += 1
-            logger.info("[%s] %s refused our round %d: %s", self.node.short_id, peer[-8:], bundle.round, ack.reason)
+            logger.info("[%s] %s refused our round %d: %s", self.ctx.short_id, peer[-8:], bundle.round, ack.reason)
 
     def _evaluate(self) -> float:
         return accuracy(self.policy, get_task(self.grpo.task), self.heldout)
@@ -327,7 +357,7 @@ class RolloutWorker:
         if self._progress is None:
             return
         with open(self._progress, "a") as f:
-            f.write(json.dumps({**event, "peer_id": self.node.peer_id, "t": time.time()}) + "\n")
+            f.write(json.dumps({**event, "peer_id": self.ctx.peer_id, "t": time.time()}) + "\n")
 
     def stats(self) -> dict:
         return {
@@ -338,20 +368,7 @@ class RolloutWorker:
             **vars(self.traffic),
         }
 
-    async def shutdown(self) -> None:
+    async def stop(self) -> None:
         for task in list(self._sends):
             task.cancel()
         await asyncio.gather(*self._sends, return_exceptions=True)
-
-
-class RolloutService:
-    """`rpc_rollouts` on every node; answered by the engine when it runs rollouts, refused otherwise."""
-
-    def __init__(self, node: Node):
-        self.node = node
-
-    async def rpc_rollouts(self, bundle: RolloutBundle, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = getattr(self.node.engine, "on_rollouts", None)
-        if handler is None:
-            return Ack(accepted=False, reason="this node runs no rollouts")
-        return await handler(bundle, peer.to_base58())

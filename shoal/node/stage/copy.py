@@ -7,34 +7,47 @@ DESIGN §5, "Join"). What arrives is checked like anything from a peer: count, s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from shoal.node.averaging.base import Averager
 from shoal.node.compute import BACKWARD
+from shoal.node.context import NodeContext
+from shoal.node.engine import GradNorms
 from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.outer import check_partner_tensors
 
-if TYPE_CHECKING:
-    from shoal.node.daemon import Node
-    from shoal.node.pipeline.worker.stage import StageWorker
-
 logger = logging.getLogger(__name__)
 
 WIRE_DTYPE = "float32"
 
 
-def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+class StageHolder(Protocol):
+    """A stage worker, as copying and repairing its stage see it."""
+
+    ctx: NodeContext
+    stage: int
+    module: torch.nn.Module
+    optimizer: Any  # shoal.train.inner.InnerOptimizer
+    averager: Averager | None
+    grad_norms: GradNorms
+
+    async def compute(self, fn: Callable[..., Any], *args: Any, priority: int = ...) -> Any: ...
+
+
+def _snapshot(worker: StageHolder) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     theta = [p.detach().clone() for p in worker.module.parameters()]
     phi = list(worker.averager.state.phi) if worker.averager is not None else theta
     return theta, phi
 
 
-async def serve_stage_copy(worker: StageWorker, request: StageCopyRequest, stream: FramedStream) -> None:
+async def serve_stage_copy(worker: StageHolder, request: StageCopyRequest, stream: FramedStream) -> None:
     """Answer a joining replica (or a node rebuilding a neighbouring stage): an Ack, our counters and
     last gradient norms, then θ and φ, taken between compute jobs."""
     if request.stage != worker.stage:
@@ -42,14 +55,13 @@ async def serve_stage_copy(worker: StageWorker, request: StageCopyRequest, strea
         return
     theta, phi = await worker.compute(_snapshot, worker, priority=BACKWARD)
     epoch = worker.averager.epoch if worker.averager is not None else 0
-    node = worker.node
     await stream.write_message(Ack(accepted=True))
     header = StageCopy(
         inner_step=worker.optimizer.step_count,
         outer_epoch=epoch,
         tensors=len(theta),
-        grad_norm=node.grad_norm,
-        grad_norm_clipped=node.grad_norm_clipped,
+        grad_norm=worker.grad_norms.raw,
+        grad_norm_clipped=worker.grad_norms.clipped,
     )
     await stream.write_message(header)
     for tensor in (*theta, *phi):
@@ -70,9 +82,9 @@ class FetchedStage:
     grad_norm_clipped: float | None
 
 
-async def fetch_stage(node: Node, peer: str, stage: int, reference: list[torch.Tensor]) -> FetchedStage:
+async def fetch_stage(ctx: NodeContext, peer: str, stage: int, reference: list[torch.Tensor]) -> FetchedStage:
     """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite)."""
-    stream = await open_call(node.dht.p2p, peer, "rpc_copy_stage", node.config.rpc_timeout_s)
+    stream = await open_call(ctx.p2p, peer, "rpc_copy_stage", ctx.config.rpc_timeout_s)
     try:
         await stream.write_message(StageCopyRequest(stage=stage))
         ack = await read_reply(stream, Ack)
@@ -94,39 +106,39 @@ async def fetch_stage(node: Node, peer: str, stage: int, reference: list[torch.T
                         header.grad_norm_clipped)  # fmt: skip
 
 
-async def copy_stage(worker: StageWorker) -> str | None:
+async def copy_stage(worker: StageHolder) -> str | None:
     """Copy the most trained active replica of our stage that answers; returns its peer id, or None
     if the stage has no other active replica (or none gave its weights)."""
-    node = worker.node
-    view = node.view
-    sources = [n for n in view.replicas(worker.stage) if n.state == "active" and n.peer_id != node.peer_id]
+    ctx = worker.ctx
+    view = ctx.view
+    if view is None:
+        return None
+    sources = [n for n in view.replicas(worker.stage) if n.state == "active" and n.peer_id != ctx.peer_id]
     ours = [p.detach() for p in worker.module.parameters()]
     for source in sorted(sources, key=lambda n: -n.inner_step):
         try:
-            fetched = await fetch_stage(node, source.peer_id, worker.stage, ours)
+            fetched = await fetch_stage(ctx, source.peer_id, worker.stage, ours)
         except Exception as e:
-            logger.warning("[%s] could not copy stage %d from %s: %s", node.short_id, worker.stage,
+            logger.warning("[%s] could not copy stage %d from %s: %s", ctx.short_id, worker.stage,
                            source.peer_id[-8:], e)  # fmt: skip
             continue
         await adopt_stage(worker, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch)
-        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", node.short_id, worker.stage,
+        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", ctx.short_id, worker.stage,
                     source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch)  # fmt: skip
         return source.peer_id
     return None
 
 
 async def adopt_stage(
-    worker: StageWorker, theta: list[torch.Tensor], phi: list[torch.Tensor], inner_step: int, outer_epoch: int
+    worker: StageHolder, theta: list[torch.Tensor], phi: list[torch.Tensor], inner_step: int, outer_epoch: int
 ) -> None:
     """Serve these weights from now on, with the swarm's counters (the schedule goes on from there)."""
     await worker.compute(_load, worker, theta, inner_step, priority=BACKWARD)
     if worker.averager is not None:
         worker.averager.adopt(phi, outer_epoch)
-        worker.node.outer_epoch = outer_epoch
-    worker.node.inner_step = inner_step
 
 
-def _load(worker: StageWorker, theta: list[torch.Tensor], inner_step: int) -> None:
+def _load(worker: StageHolder, theta: list[torch.Tensor], inner_step: int) -> None:
     with torch.no_grad():
         for param, value in zip(worker.module.parameters(), theta, strict=True):
             param.copy_(value)

@@ -12,51 +12,49 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils import get_dht_time
 
-from shoal.node.stage.copy import FetchedStage, adopt_stage, fetch_stage
+from shoal.node.context import NodeContext
+from shoal.node.engine import Repair
+from shoal.node.stage.copy import FetchedStage, StageHolder, adopt_stage, fetch_stage
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer
 from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild
 
-if TYPE_CHECKING:
-    from shoal.node.daemon import Node
-    from shoal.node.pipeline.worker.stage import StageWorker
-
 logger = logging.getLogger(__name__)
 
 
-def _holders(node: Node, stage: int) -> list[NodeInfo]:
+def _holders(ctx: NodeContext, stage: int) -> list[NodeInfo]:
     """Active replicas of `stage` other than us, most trained first."""
-    view = node.view
+    view = ctx.view
     if view is None:
         return []
-    found = [n for n in view.replicas(stage) if n.state == STATE_ACTIVE and n.peer_id != node.peer_id]
+    found = [n for n in view.replicas(stage) if n.state == STATE_ACTIVE and n.peer_id != ctx.peer_id]
     return sorted(found, key=lambda n: -n.inner_step)
 
 
-def stage_was_lost(worker: StageWorker) -> bool:
+def stage_was_lost(worker: StageHolder) -> bool:
     """Our stage has no active replica, yet the swarm has trained: its weights went with its last
     replica (at the start of a run every replica starts from the same seeded weights instead)."""
-    node = worker.node
-    if node.view is None or _holders(node, worker.stage):
+    ctx = worker.ctx
+    if ctx.view is None or _holders(ctx, worker.stage):
         return False
-    return any(n.inner_step > 0 for n in node.view.live_nodes() if n.peer_id != node.peer_id)
+    return any(n.inner_step > 0 for n in ctx.view.live_nodes() if n.peer_id != ctx.peer_id)
 
 
-async def repair_stage(worker: StageWorker) -> dict:
-    """Rebuild our stage from its neighbours by the run's rule; returns the repair as recorded."""
-    node, run = worker.node, worker.run
+async def repair_stage(worker: StageHolder) -> Repair:
+    """Rebuild our stage from its neighbours by the run's rule; returns what it did, for our record."""
+    ctx = worker.ctx
+    run = ctx.run
     started = time.monotonic()
     stages = run.pipeline.stages
-    available = {s for s in range(1, stages) if s != worker.stage and _holders(node, s)}
+    available = {s for s in range(1, stages) if s != worker.stage and _holders(ctx, s)}
     plan = plan_repair(worker.stage, stages, available, run.repair.rule)
     shapes = [p.detach() for p in worker.module.parameters()]
-    fetched = [got for s in plan.sources if (got := await _fetch_any(node, s, shapes)) is not None]
-    inner_step = max((f.inner_step for f in fetched), default=_swarm_step(node))  # the first it trains
+    fetched = [got for s in plan.sources if (got := await _fetch_any(ctx, s, shapes)) is not None]
+    inner_step = max((f.inner_step for f in fetched), default=_swarm_step(ctx))  # the first it trains
     notes = [plan.note] if plan.note else []
     missing = sorted(set(plan.sources) - {f.stage for f in fetched})
     if missing:
@@ -66,41 +64,42 @@ async def repair_stage(worker: StageWorker) -> dict:
     repaired = rebuild(plan, neighbours, fresh_weights(run, worker.stage, inner_step), run.repair.weights_from)
     if repaired.note and repaired.note not in notes:
         notes.append(repaired.note)
-    outer_epoch = max((f.outer_epoch for f in fetched), default=node.outer_epoch)
+    own_epoch = worker.averager.epoch if worker.averager is not None else 0
+    outer_epoch = max((f.outer_epoch for f in fetched), default=own_epoch)
     worker.optimizer = InnerOptimizer(worker.module, run.optim, run.train.steps, lr_scale=run.repair.lr_scale)
     await adopt_stage(worker, repaired.weights, repaired.weights, inner_step, outer_epoch)
     seconds = time.monotonic() - started
-    node.repair = {
-        "stage": worker.stage,
-        "rule": repaired.rule,
-        "sources": list(repaired.sources),
-        "inner_step": inner_step,
-        "seconds": seconds,
-        "at": float(get_dht_time()),
-        "note": "; ".join(notes)[:200],
-    }
+    repair = Repair(
+        stage=worker.stage,
+        rule=repaired.rule,
+        sources=list(repaired.sources),
+        inner_step=inner_step,
+        seconds=seconds,
+        at=float(get_dht_time()),
+        note="; ".join(notes)[:200],
+    )
     mix = "/".join(f"{w:.2f}" for w in repaired.mix)
     logger.warning(
         "[%s] stage %d had no replica left: rebuilt by %s from stage(s) %s%s at inner step %d in %.2f s%s",
-        node.short_id,
+        ctx.short_id,
         worker.stage,
         repaired.rule,
         list(repaired.sources),
         f" (mix {mix})" if len(repaired.mix) > 1 else "",
         inner_step,
         seconds,
-        f" ({node.repair['note']})" if node.repair["note"] else "",
+        f" ({repair.note})" if repair.note else "",
     )
-    return node.repair
+    return repair
 
 
-async def _fetch_any(node: Node, stage: int, reference: list[torch.Tensor]) -> FetchedStage | None:
+async def _fetch_any(ctx: NodeContext, stage: int, reference: list[torch.Tensor]) -> FetchedStage | None:
     """The weights of `stage` from the first of its replicas that gives them."""
-    for holder in _holders(node, stage):
+    for holder in _holders(ctx, stage):
         try:
-            return await fetch_stage(node, holder.peer_id, stage, reference)
+            return await fetch_stage(ctx, holder.peer_id, stage, reference)
         except Exception as e:
-            logger.warning("[%s] stage %d from %s for a repair: %s", node.short_id, stage, holder.peer_id[-8:], e)
+            logger.warning("[%s] stage %d from %s for a repair: %s", ctx.short_id, stage, holder.peer_id[-8:], e)
     return None
 
 
@@ -109,6 +108,6 @@ def _norm(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def _swarm_step(node: Node) -> int:
-    view = node.view
+def _swarm_step(ctx: NodeContext) -> int:
+    view = ctx.view
     return max((n.inner_step for n in view.live_nodes()), default=0) if view is not None else 0

@@ -18,22 +18,15 @@ would not match the weights yet.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
-
-from shoal.node.stage.copy import copy_stage
+from shoal.config import RunConfig
+from shoal.node.engine import Engine, TrainedState
 from shoal.node.state.store import SavedState, StateDir
-from shoal.planning.swarm_view import ROLE_ROLLOUT, STATE_ACTIVE
-from shoal.train.inner import InnerOptimizer
-from shoal.train.outer import OuterState
-
-if TYPE_CHECKING:
-    from shoal.config import RunConfig
-    from shoal.node.daemon import Node
+from shoal.planning.swarm_view import ROLE_ROLLOUT, STATE_ACTIVE, SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -41,64 +34,50 @@ POSTPONED_RETRY_S = 0.5  # a save that met an outer step in progress is tried ag
 FINAL_SAVE_WAIT_S = 10.0  # at shutdown, how long to wait for an outer step in progress to end
 
 
-def _module(engine: Any) -> torch.nn.Module:
-    """The stage's module: a stage worker's blocks, or a data node's embedding, norm and head."""
-    module = getattr(engine, "module", None)
-    return module if module is not None else engine.head
+@dataclass(frozen=True)
+class Holder:
+    """Whose state a save is: the run, the peer, and what it holds now."""
+
+    run: RunConfig
+    peer_id: str
+    stage: int
+    role: str
+
+    @property
+    def short_id(self) -> str:
+        return self.peer_id[-8:]
 
 
-def _averager(engine: Any) -> Any:
-    return getattr(engine, "averager", None)
+Current = Callable[[], tuple[Engine | None, Holder]]  # the node's engine and holder, as they are now
 
 
-def _clone_inner(optimizer: InnerOptimizer) -> dict:
-    state = optimizer.adamw.state_dict()["state"]
-    return {"state": {i: {k: v.detach().clone() for k, v in entry.items()} for i, entry in state.items()}}
-
-
-def snapshot(engine: Any, node: Node) -> SavedState | None:
-    """The engine's state now, or None during an outer step (run it on the compute thread, so that
-    no inner step runs meanwhile)."""
-    averager = _averager(engine)
-    if getattr(averager, "stepping", False):
-        return None
-    outer: OuterState | None = averager.state if averager is not None else None
+def saved_state(state: TrainedState, holder: Holder) -> SavedState:
     return SavedState(
-        run_id=node.run.run_id,
-        peer_id=node.peer_id,
-        stage=int(node.stage or 0),
-        role=node.role,
-        inner_step=engine.optimizer.step_count,
-        outer_epoch=averager.epoch if averager is not None else 0,
-        lr_scale=float(engine.optimizer.lr_scale),
-        weights=tuple(p.detach().to(torch.float32, copy=True) for p in _module(engine).parameters()),
-        inner=_clone_inner(engine.optimizer),
-        phi=None if outer is None else tuple(p.clone() for p in outer.phi),
-        momentum=None if outer is None else tuple(m.clone() for m in outer.momentum),
+        run_id=holder.run.run_id,
+        peer_id=holder.peer_id,
+        stage=holder.stage,
+        role=holder.role,
+        inner_step=state.inner_step,
+        outer_epoch=state.outer_epoch,
+        lr_scale=state.lr_scale,
+        weights=state.weights,
+        inner=state.inner,
+        phi=state.phi,
+        momentum=state.momentum,
         saved_at=time.time(),
     )
 
 
-def restore(engine: Any, saved: SavedState, run: RunConfig) -> None:
-    """Load `saved` into the engine (on the compute thread). Checked by StateDir.load already."""
-    module = _module(engine)
-    with torch.no_grad():
-        for param, value in zip(module.parameters(), saved.weights, strict=True):
-            param.copy_(value)
-    optimizer = InnerOptimizer(module, run.optim, run.train.steps, lr_scale=saved.lr_scale)
-    groups = optimizer.adamw.state_dict()["param_groups"]  # the run's hyper-parameters, not the file's
-    optimizer.adamw.load_state_dict({"state": copy.copy(saved.inner["state"]), "param_groups": groups})
-    optimizer.step_count = saved.inner_step
-    engine.optimizer = optimizer
-    averager = _averager(engine)
-    if averager is not None:
-        if saved.phi is not None and saved.momentum is not None:
-            averager.state = OuterState(phi=saved.phi, momentum=saved.momentum)
-        else:  # saved by a run that did not average: φ starts at the weights, as for a fresh replica
-            averager.state = OuterState.from_module(module)
-        averager.epoch = saved.outer_epoch
-    if hasattr(engine, "first_step"):
-        engine.first_step = saved.inner_step  # a data node goes on from its saved step
+def trained_state(saved: SavedState) -> TrainedState:
+    return TrainedState(
+        inner_step=saved.inner_step,
+        outer_epoch=saved.outer_epoch,
+        lr_scale=saved.lr_scale,
+        weights=saved.weights,
+        inner=saved.inner,
+        phi=saved.phi,
+        momentum=saved.momentum,
+    )
 
 
 class StateKeeper:
@@ -135,83 +114,82 @@ class StateKeeper:
         logger.info("[%s] saved state in %s: stage %d, inner step %d, outer epoch %d, %.0f s old", peer_id[-8:],
                     self.store.path, s.stage, s.inner_step, s.outer_epoch, time.time() - s.saved_at)  # fmt: skip
 
-    async def resume(self, node: Node, engine: Any) -> bool:
+    async def resume(self, engine: Engine, holder: Holder, view: SwarmView | None) -> bool:
         """Take the saved state for the stage `engine` holds (or a live replica's, if ahead); returns
         whether the engine now holds trained weights from either."""
         saved, self.saved = self.saved, None
         if saved is None:
             return False
-        if saved.stage != node.stage:
-            logger.info("[%s] takes stage %s, its saved state is for stage %d: not restoring it", node.short_id,
-                        node.stage, saved.stage)  # fmt: skip
+        if saved.stage != holder.stage:
+            logger.info("[%s] takes stage %s, its saved state is for stage %d: not restoring it", holder.short_id,
+                        holder.stage, saved.stage)  # fmt: skip
             return False
-        if await self._copy_if_behind(node, engine, saved):
+        if await self._copy_if_behind(engine, holder, view, saved):
             return True
-        await engine.compute(restore, engine, saved, node.run)
-        node.inner_step, node.outer_epoch = saved.inner_step, saved.outer_epoch
-        logger.info("[%s] resumed stage %d from %s (inner step %d, outer epoch %d)", node.short_id, saved.stage,
+        await engine.load_state_dict(trained_state(saved))
+        logger.info("[%s] resumed stage %d from %s (inner step %d, outer epoch %d)", holder.short_id, saved.stage,
                     self.store.path, saved.inner_step, saved.outer_epoch)  # fmt: skip
         return True
 
-    async def _copy_if_behind(self, node: Node, engine: Any, saved: SavedState) -> bool:
+    async def _copy_if_behind(self, engine: Engine, holder: Holder, view: SwarmView | None, saved: SavedState) -> bool:
         """A block stage whose live replicas trained past our save: copy the most trained one."""
-        view = node.view
         if not saved.stage or view is None:
             return False
-        ahead = [n for n in view.replicas(saved.stage, exclude=node.peer_id)
+        ahead = [n for n in view.replicas(saved.stage, exclude=holder.peer_id)
                  if n.state == STATE_ACTIVE and n.inner_step > saved.inner_step]  # fmt: skip
         if not ahead:
             return False
         best = max(n.inner_step for n in ahead)
         logger.info("[%s] live replicas of stage %d are ahead of the saved state (inner step %d > %d): copying",
-                    node.short_id, saved.stage, best, saved.inner_step)  # fmt: skip
-        if await copy_stage(engine) is not None:
+                    holder.short_id, saved.stage, best, saved.inner_step)  # fmt: skip
+        if await engine.join_by_copy() is not None:
             return True
-        logger.warning("[%s] no live replica gave its weights: resuming from the saved state", node.short_id)
+        logger.warning("[%s] no live replica gave its weights: resuming from the saved state", holder.short_id)
         return False
 
-    async def save(self, node: Node, wait_s: float = 0.0) -> bool:
+    async def save(self, engine: Engine | None, holder: Holder, wait_s: float = 0.0) -> bool:
         """Save now if there is something new; False if postponed (an outer step is running)."""
-        engine = node.engine
-        if engine is None or node.role == ROLE_ROLLOUT or not hasattr(engine, "optimizer"):
+        if engine is None or holder.role == ROLE_ROLLOUT:
             return True
-        averager = _averager(engine)
-        if (node.stage or 0, engine.optimizer.step_count, averager.epoch if averager else 0) == self._last:
+        progress = engine.progress()
+        if (holder.stage, progress.inner_step, progress.outer_epoch) == self._last:
             return True  # nothing new since the last save (a cheap look before cloning anything)
         deadline = time.monotonic() + wait_s
         async with self._saving:
-            while (state := await engine.compute(snapshot, engine, node)) is None:
+            while (state := await engine.state_dict()) is None:
                 if time.monotonic() >= deadline:
                     return False
                 await asyncio.sleep(0.05)
-            key = (state.stage, state.inner_step, state.outer_epoch)
+            key = (holder.stage, state.inner_step, state.outer_epoch)
             if key == self._last:
                 return True
             loop = asyncio.get_running_loop()
-            path = await loop.run_in_executor(None, self.store.save, state, node.run)
+            path = await loop.run_in_executor(None, self.store.save, saved_state(state, holder), holder.run)
             self._last = key
             self.saves += 1
-            logger.info("[%s] saved stage %d at inner step %d to %s", node.short_id, state.stage, state.inner_step,
-                        path)  # fmt: skip
+            logger.info("[%s] saved stage %d at inner step %d to %s", holder.short_id, holder.stage,
+                        state.inner_step, path)  # fmt: skip
         return True
 
-    async def run(self, node: Node) -> None:
+    async def run(self, current: Current) -> None:
         """Save every `every_s` seconds while the node runs."""
         delay = self.every_s
         while True:
             await asyncio.sleep(delay)
+            engine, holder = current()
             try:
-                delay = self.every_s if await self.save(node) else POSTPONED_RETRY_S
+                delay = self.every_s if await self.save(engine, holder) else POSTPONED_RETRY_S
             except Exception as e:  # a full disk must not stop the node: say so, and try again next time
-                logger.error("[%s] could not save its state to %s: %s", node.short_id, self.store.path, e)
+                logger.error("[%s] could not save its state to %s: %s", holder.short_id, self.store.path, e)
                 delay = self.every_s
 
-    async def close(self, node: Node) -> None:
+    async def close(self, current: Current) -> None:
         """The last save, at a clean shutdown; then let go of the folder."""
+        engine, holder = current()
         try:
-            if not await self.save(node, wait_s=FINAL_SAVE_WAIT_S):
-                logger.warning("[%s] an outer step was still running: kept the previous save", node.short_id)
+            if not await self.save(engine, holder, wait_s=FINAL_SAVE_WAIT_S):
+                logger.warning("[%s] an outer step was still running: kept the previous save", holder.short_id)
         except Exception as e:
-            logger.error("[%s] could not save its state to %s: %s", node.short_id, self.store.path, e)
+            logger.error("[%s] could not save its state to %s: %s", holder.short_id, self.store.path, e)
         finally:
             self.store.release()

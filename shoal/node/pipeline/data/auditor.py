@@ -42,7 +42,7 @@ MAX_EXCLUDED_LISTED = 16  # in the node record (shoal.dht.records.MAX_EXCLUDED)
 class Auditor:
     def __init__(self, driver: DataDriver):
         self.driver = driver
-        self.node = driver.node
+        self.ctx = driver.ctx
         defense = driver.run.defense
         # Replicas that never average (averaging.mode "none") drift apart for good: an audit could only
         # fail, or blame whichever replica drifted furthest from two that happen to agree
@@ -54,7 +54,7 @@ class Auditor:
             failures=defense.audit_failures,
             memory=defense.audit_memory,
         )
-        self.rng = random.Random(f"{driver.run.run_id}:audit:{self.node.peer_id}")
+        self.rng = random.Random(f"{driver.run.run_id}:audit:{self.ctx.peer_id}")
         self.spreads: dict[int, StageSpread] = {}
         self.blames: Counter[str] = Counter()
         self.outcomes: dict[str, list[bool]] = {}  # per replica, blamed or not in each audit it took part in
@@ -76,7 +76,7 @@ class Auditor:
         if peer in self.excluded:
             return
         self.excluded[peer] = printable(reason, 200)
-        logger.warning("[%s] excluded %s from its routes: %s", self.node.short_id, peer[-8:], self.excluded[peer])
+        logger.warning("[%s] excluded %s from its routes: %s", self.ctx.short_id, peer[-8:], self.excluded[peer])
         self.driver._progress({"event": "excluded", "step": self.driver.current_step, "peer_id": peer,
                                "reason": self.excluded[peer]})  # fmt: skip
 
@@ -103,10 +103,10 @@ class Auditor:
             await self.driver.closes_taken()  # replicas compared on the same step's weights
             await self.audit(step, tokens)
         except Exception as e:
-            logger.warning("[%s] step %d: audit abandoned: %r", self.node.short_id, step, e)
+            logger.warning("[%s] step %d: audit abandoned: %r", self.ctx.short_id, step, e)
 
     def _candidates(self, stage: int) -> list[str]:
-        view = self.node.view
+        view = self.ctx.view
         avoid = self.driver.banned()  # excluded peers included
         return sorted(n.peer_id for n in (view.replicas(stage) if view else ()) if n.peer_id not in avoid)
 
@@ -152,11 +152,11 @@ class Auditor:
             del self.outcomes[peer][: -self.config.memory]
         if verdict.passed:
             self.passed += 1
-            logger.info("[%s] step %d: audit of stage %d passed %s (threshold %.3g)", self.node.short_id, step,
+            logger.info("[%s] step %d: audit of stage %d passed %s (threshold %.3g)", self.ctx.short_id, step,
                         stage, deviations, verdict.threshold)  # fmt: skip
             return
         self.failed += 1
-        logger.warning("[%s] step %d: audit of stage %d failed %s: %s; blamed %s", self.node.short_id, step, stage,
+        logger.warning("[%s] step %d: audit of stage %d failed %s: %s; blamed %s", self.ctx.short_id, step, stage,
                        deviations, verdict.reason, [p[-8:] for p in verdict.blamed])  # fmt: skip
         for peer in verdict.blamed:
             self.blames[peer] += 1

@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.split_backward import WeightGrads
 from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
+from shoal.node.context import NodeContext
+from shoal.node.engine import GradNorms, Handler, Progress, TrainedState, restore_trained, snapshot_trained
 from shoal.node.net.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
@@ -123,8 +126,8 @@ class StepResult:
 
 
 class DataDriver(PipelineEngine):
-    def __init__(self, node, shard: int = 0, num_shards: int = 1, progress_path: str | None = None):
-        super().__init__(node)
+    def __init__(self, ctx: NodeContext, shard: int = 0, num_shards: int = 1, progress_path: str | None = None):
+        super().__init__(ctx)
         run = self.run
         self.head = build_stage(run.model, run.pipeline.stages, 0, run.train.seed)
         self.optimizer = InnerOptimizer(self.head, run.optim, run.train.steps)
@@ -138,13 +141,15 @@ class DataDriver(PipelineEngine):
         self.sampler: BatchSampler | None = None
         self.finished = asyncio.Event()
         self.summary: dict = {}
+        self.loss: float | None = None  # the last step's training loss
+        self.grad_norms = GradNorms()
         self.step_peers: set[str] = set()  # workers that served the current step: they get its StepClose
         self.waiting_for: list[int] = []  # block stages with no live replica while we wait for one
         self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
         self._last_wait_report = 0.0
         self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
         self.refused = 0  # requests a peer was not entitled to send
-        self.trips: deque[Trip] = deque(maxlen=TRIPS_KEPT)  # forward trips, for routing by observed speed
+        self.recent_trips: deque[Trip] = deque(maxlen=TRIPS_KEPT)  # forward trips, for routing by observed speed
         self.repairs_seen: set[tuple[str, float]] = set()
         self.current_step = 0
         self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
@@ -158,7 +163,8 @@ class DataDriver(PipelineEngine):
     def busy(self) -> bool:
         return bool(self.in_flight)
 
-    async def prepare(self) -> None:
+    async def start(self) -> None:
+        """Load and tokenize this node's data (on the compute thread): training starts with `run`."""
         run = self.run
         self.splits = await self.compute(load_token_splits, run.data, run.model.vocab_size)
         self.sampler = BatchSampler(
@@ -174,34 +180,35 @@ class DataDriver(PipelineEngine):
         """Until every block stage has a live replica; says which are missing while it waits."""
         started = last_report = time.monotonic()
         while True:
-            view = self.node.view
+            view = self.ctx.view
             if view is not None and not view.stages_without_replica():
                 return
             if view is not None and time.monotonic() - last_report >= report_s:
                 missing = view.stages_without_replica()
                 logger.warning(
                     "[%s] waiting %.0f s for a replica of stage(s) %s before training",
-                    self.node.short_id,
+                    self.ctx.short_id,
                     time.monotonic() - started,
                     missing,
                 )
                 last_report = time.monotonic()
             await asyncio.sleep(poll_s)
-            await self.node.refresh_view()
+            await self.ctx.refresh_view()
 
     # ---- the training loop ---------------------------------------------------------------------
 
-    async def train(self) -> None:
-        assert self.sampler is not None, "prepare() first"
+    async def train(self) -> dict:
+        """Train the run's steps from `first_step`; returns the summary (also the progress file's last line)."""
+        assert self.sampler is not None, "start() first"
         await self.wait_for_pipeline()
         started = time.monotonic()
-        self._progress({"event": "start", "peer_id": self.node.peer_id, "run_id": self.run.run_id})
+        self._progress({"event": "start", "peer_id": self.ctx.peer_id, "run_id": self.run.run_id})
         self.spawn(self._watch_stages(), "watch stages")
         for step in range(self.first_step, self.run.train.steps):
             self.current_step = step
             result = await self.train_step(step)
             self.history.append(result)
-            self.node.loss = result.loss
+            self.loss = result.loss
             validation = {}
             if self.run.train.evaluates_after(step):
                 await self.closes_taken()  # every worker evaluates on this step's weights
@@ -223,7 +230,7 @@ class DataDriver(PipelineEngine):
                 }
             )
         await self.closes_taken()  # evaluation and probes see every worker's last step
-        self.auditor.on_view(await self.node.refresh_view())  # exclusions workers just published count too
+        self.auditor.on_view(await self.ctx.refresh_view())  # exclusions workers just published count too
         val_loss = await self.evaluate()
         probe = await self.probe()
         losses = [r.loss for r in self.history if r.loss is not None]
@@ -241,13 +248,14 @@ class DataDriver(PipelineEngine):
         }
         self._progress({"event": "done", **self.summary})
         self.finished.set()
+        return self.summary
 
     async def train_step(self, step: int) -> StepResult:
         assert self.sampler is not None
         started = time.monotonic()
         inputs, targets = self.sampler.batch(step)
         n_micro = self.run.microbatches_per_step
-        slots = asyncio.Semaphore(self.node.max_inflight)
+        slots = asyncio.Semaphore(self.ctx.max_inflight)
         self.step_peers = set()
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
@@ -264,12 +272,10 @@ class DataDriver(PipelineEngine):
         stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
         if self.outer_step_follows(step):  # the workers average now: the next step starts on their result
             await self.closes_taken()
-        self.node.inner_step = self.optimizer.step_count
         if stats.skipped:
-            logger.warning("[%s] step %d skipped: gradient norm %s", self.node.short_id, step, stats.grad_norm)
+            logger.warning("[%s] step %d skipped: gradient norm %s", self.ctx.short_id, step, stats.grad_norm)
         else:
-            self.node.grad_norm = stats.grad_norm
-            self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
+            self.grad_norms.note(stats.grad_norm, self.run.optim.grad_clip)
         tokens_per_microbatch = inputs.numel() // n_micro
         return StepResult(
             step=step,
@@ -302,20 +308,19 @@ class DataDriver(PipelineEngine):
         kept for the next step's close, since opening one (a round trip and a protocol negotiation)
         would lie on every step's critical path: the worker's step, and so the next forward, waits for it."""
         close = StepClose(step=step, completed=completed, abandoned=abandoned)
-        view = self.node.view
+        view = self.ctx.view
         live = {n.peer_id for n in view.live_nodes()} if view is not None else set()
         workers = {n.peer_id for n in view.live_nodes() if n.stage > 0} if view is not None else set()
         # every live worker hears it: replicas that served nothing this step still keep the outer-epoch clock
         peers = sorted(p for p in self.step_peers | workers if p in live or not live)
 
         async def tell(peer: str) -> None:
-            if self.node.config.inject_close_delay_s:  # fault injection: the next step's forwards overtake it
-                await asyncio.sleep(self.node.config.inject_close_delay_s)
+            await self.ctx.hooks.before_close_sent()  # fault injection: the next step's forwards overtake it
             try:
                 timeout_s = step_close_patience_s(self.run.averaging.exchange_timeout_s)
                 await pooled_call(self.streams, peer, "rpc_step_close", close, Ack, timeout_s)
             except Exception as e:
-                logger.info("[%s] step %d close not taken by %s: %s", self.node.short_id, step, peer[-8:], e)
+                logger.info("[%s] step %d close not taken by %s: %s", self.ctx.short_id, step, peer[-8:], e)
 
         return self.spawn(asyncio.gather(*(tell(peer) for peer in peers)), f"close step {step}")
 
@@ -331,9 +336,9 @@ class DataDriver(PipelineEngine):
         """SkipPipe: the next planned partial path, planning a step's worth when none is left."""
         if not self.planned_paths:
             n = self.run.microbatches_per_step
-            config = self.node.config  # a few perturbed re-plans per step: the planner runs every step here
+            config = self.ctx.config  # a few perturbed re-plans per step: the planner runs every step here
             options = SkipPipeOptions(skip=config.skip, max_swaps=config.max_swaps, search_budget=4 * n)
-            planned = self.node.router.plan_paths(self.node.peer_id, n, options)
+            planned = self.ctx.router.plan_paths(self.ctx.peer_id, n, options)
             self.planned_paths = planned or []
         return self.planned_paths.pop(0) if self.planned_paths else None
 
@@ -342,19 +347,19 @@ class DataDriver(PipelineEngine):
         node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
         model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
         node's stage wait, said in the log and the progress file); None if it never came."""
-        deadline = time.monotonic() + self.node.config.stage_wait_s
-        router = self.node.router
-        skippipe = train and self.node.config.paths == "skippipe"
+        deadline = time.monotonic() + self.ctx.config.stage_wait_s
+        router = self.ctx.router
+        skippipe = train and self.ctx.config.paths == "skippipe"
         while True:
-            view = self.node.view
+            view = self.ctx.view
             if skippipe and view is not None:
                 route = self._planned_path()
                 if route is not None and not set(p for _, p in route.hops) & self.banned():
                     return route
                 self.planned_paths = []  # a path through a peer that just failed: plan again
-            route = router.route(self.node.peer_id, exclude=self.banned()) if view else None
+            route = router.route(self.ctx.peer_id, exclude=self.banned()) if view else None
             if route is None and view is not None:  # a ban is a preference, not a verdict
-                route = router.route(self.node.peer_id, exclude=self.auditor.excluded_peers())  # never those
+                route = router.route(self.ctx.peer_id, exclude=self.auditor.excluded_peers())  # never those
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
@@ -378,11 +383,11 @@ class DataDriver(PipelineEngine):
         have no live replica: the run is waiting for them, wherever its microbatches are held (here
         for a route, or at a worker waiting for a replacement hop)."""
         while not self.finished.is_set():
-            view = self.node.view
+            view = self.ctx.view
             missing = view.stages_without_replica() if view is not None else []
             self.waiting_for = missing
             if missing and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
-                logger.warning("[%s] waiting for a live replica of stage(s) %s", self.node.short_id, missing)
+                logger.warning("[%s] waiting for a live replica of stage(s) %s", self.ctx.short_id, missing)
                 self._progress({"event": "waiting", "stages": missing, "ledger": self.ledger.summary()})
                 self._last_wait_report = time.monotonic()
             elif not missing:
@@ -398,7 +403,7 @@ class DataDriver(PipelineEngine):
                 continue
             self.repairs_seen.add((node.peer_id, repair.at))
             event = {"event": "repair", "step": self.current_step, "peer_id": node.peer_id, **asdict(repair)}
-            logger.info("[%s] stage %d rebuilt by %s from %s", self.node.short_id, repair.stage, repair.rule,
+            logger.info("[%s] stage %d rebuilt by %s from %s", self.ctx.short_id, repair.stage, repair.rule,
                         list(repair.sources))  # fmt: skip
             self._progress(event)
 
@@ -418,7 +423,7 @@ class DataDriver(PipelineEngine):
         A forward pass lost before coming home is sent again (a new attempt); a hop lost in backward
         is redone by the hops themselves. It is abandoned only when a stage has had no live replica
         for the whole stage wait (`stage_lost`), or after MAX_ATTEMPTS forward passes."""
-        base_id = f"{self.node.short_id}-{tag}" if train else f"{self.node.short_id}-eval-{tag}"
+        base_id = f"{self.ctx.short_id}-{tag}" if train else f"{self.ctx.short_id}-eval-{tag}"
         async with slots:
             self.ledger.inject(base_id)
             embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
@@ -426,7 +431,7 @@ class DataDriver(PipelineEngine):
             for attempt in range(MAX_ATTEMPTS):
                 route = await self._route(train)
                 if route is None:
-                    missing = self.node.view.stages_without_replica()
+                    missing = self.ctx.view.stages_without_replica()
                     self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
                     return None
                 if train:
@@ -442,7 +447,7 @@ class DataDriver(PipelineEngine):
                     return None
                 last_reason = outcome.reason
                 self.ledger.resend(time.monotonic() - entry.injected_at)
-                logger.info("[%s] %s sent again: %s", self.node.short_id, base_id, outcome.reason[:120])
+                logger.info("[%s] %s sent again: %s", self.ctx.short_id, base_id, outcome.reason[:120])
             self.ledger.abandon(base_id, f"attempts: {MAX_ATTEMPTS} forward passes lost, last: {last_reason}"[:200])
             return None
 
@@ -468,13 +473,13 @@ class DataDriver(PipelineEngine):
             self.step_peers.update(entry.route_peers)
         request = ForwardRequest(
             microbatch_id=wire_id,
-            origin=self.node.peer_id,
+            origin=self.ctx.peer_id,
             step=step,
             hop=0,
             route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
             needs_backward=train,
         )
-        timeout_s = self.node.config.microbatch_timeout_s
+        timeout_s = self.ctx.config.microbatch_timeout_s
         try:
             await push_forward(self, request, embedded.detach())
             outcome = await self._wait(entry, timeout_s)
@@ -488,7 +493,7 @@ class DataDriver(PipelineEngine):
         finally:
             self.in_flight.pop(wire_id, None)
             self.load.subtract(entry.route_peers)
-            self.node.router.end(routed)
+            self.ctx.router.end(routed)
         if outcome.kind != "completed":
             self.spawn(self._release_route(wire_id, entry.route_peers, outcome.reason), f"release {wire_id}")
         return outcome, entry
@@ -514,9 +519,9 @@ class DataDriver(PipelineEngine):
         notice = AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200])
         for peer in set(peers):  # banned peers too: a ban is a routing preference, and they may hold a graph
             try:
-                await call(self.node.dht.p2p, peer, "rpc_abandon", notice, Ack, timeout_s=5.0)
+                await call(self.ctx.p2p, peer, "rpc_abandon", notice, Ack, timeout_s=5.0)
             except Exception as e:
-                logger.debug("[%s] could not release %s on %s: %s", self.node.short_id, microbatch_id, peer[-8:], e)
+                logger.debug("[%s] could not release %s on %s: %s", self.ctx.short_id, microbatch_id, peer[-8:], e)
 
     # ---- RPC handlers: an activation coming home, a gradient reaching the embedding ------------
 
@@ -524,7 +529,7 @@ class DataDriver(PipelineEngine):
         check_hop(request)
         x = await self.read_activation(stream)
         entry = self.in_flight.get(request.microbatch_id)
-        if request.hop != len(request.route) or request.origin != self.node.peer_id:
+        if request.hop != len(request.route) or request.origin != self.ctx.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
@@ -540,7 +545,7 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=True)
         entry.home = True
         self._note_route(entry, request.route)  # as delivered, after any re-routing
-        self.trips.append(Trip(entry.route_peers, time.monotonic() - entry.injected_at))
+        self.recent_trips.append(Trip(entry.route_peers, time.monotonic() - entry.injected_at))
         self.spawn(self._loss_and_backward(request, entry, x), f"loss {request.microbatch_id}")
         return Ack(accepted=True)
 
@@ -598,7 +603,7 @@ class DataDriver(PipelineEngine):
         entry = self.in_flight.get(request.microbatch_id)
         spec = replace(self.activation_spec, shape=tuple(entry.embedded.shape)) if entry else self.activation_spec
         grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
-        if request.hop != -1 or request.origin != self.node.peer_id:
+        if request.hop != -1 or request.origin != self.ctx.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None or not entry.home:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
@@ -627,6 +632,11 @@ class DataDriver(PipelineEngine):
         """A fresh view of the swarm (each heartbeat): act on microbatches that lost a peer."""
         self.reap_lost({n.peer_id for n in view.live_nodes()})
         self.auditor.on_view(view)
+
+    def on_peer_restarted(self, restarted: set[str], live: set[str]) -> None:
+        """What went through restarted peers' old processes is lost with them, as if they had left."""
+        super().on_peer_restarted(restarted, live)
+        self.reap_lost(live - restarted)
 
     def reap_lost(self, live_peers: set[str]) -> int:
         """Act on in-flight microbatches routed through a peer that left the swarm (its record expired
@@ -659,14 +669,14 @@ class DataDriver(PipelineEngine):
         downstream = route[where[-1] + 1].peer_id
         notice = RecoverRequest(microbatch_id=wire_id, lost_peer=lost_peer)
         try:
-            ack = await call(self.node.dht.p2p, downstream, "rpc_recover", notice, Ack, timeout_s=5.0)
+            ack = await call(self.ctx.p2p, downstream, "rpc_recover", notice, Ack, timeout_s=5.0)
             if ack.accepted:  # the hop after the lost one has it redone: wait for that, within bounds
                 self.ledger.recoveries += 1
                 entry.recovering += 1
-                grace = self.node.config.stage_wait_s + self.node.config.microbatch_timeout_s
+                grace = self.ctx.config.stage_wait_s + self.ctx.config.microbatch_timeout_s
                 asyncio.get_running_loop().call_later(grace, self._recovered, entry)
         except Exception as e:
-            logger.info("[%s] recover %s via %s: %s", self.node.short_id, wire_id, downstream[-8:], e)
+            logger.info("[%s] recover %s via %s: %s", self.ctx.short_id, wire_id, downstream[-8:], e)
 
     @staticmethod
     def _recovered(entry: InFlight) -> None:
@@ -681,7 +691,7 @@ class DataDriver(PipelineEngine):
 
     def _refuse(self, sender: str, microbatch_id: str, why: str) -> str:
         self.refused += 1
-        logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
+        logger.warning("[%s] refused %s from %s: %s", self.ctx.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
@@ -703,7 +713,7 @@ class DataDriver(PipelineEngine):
         """Validation loss of the whole swarm model, forward only, over the shared validation batches
         (None if none came home). `tag` keeps each evaluation's microbatch ids apart."""
         t = self.run.train
-        slots = asyncio.Semaphore(self.node.max_inflight)
+        slots = asyncio.Semaphore(self.ctx.max_inflight)
         jobs = []
         for b, (x, y) in enumerate(validation_batches(self.splits.val, t.seq_len, t.batch_size, t.eval_batches)):
             for i, (xm, ym) in enumerate(
@@ -719,9 +729,44 @@ class DataDriver(PipelineEngine):
         """Peers that just failed us, and replicas our audits excluded for good."""
         return super().banned() | self.auditor.excluded_peers()
 
-    @property
-    def excluded(self) -> list[dict]:
-        return self.auditor.record()
+    # ---- what the node asks of its engine (engine.py) ------------------------------------------------
+
+    def handlers(self) -> Mapping[str, Handler]:
+        return {
+            "forward": self.on_forward,
+            "backward": self.on_backward,
+            "fetch_output": self.on_fetch_output,
+            "abandon": self.on_abandon,
+        }
+
+    def progress(self) -> Progress:
+        return Progress(
+            inner_step=self.optimizer.step_count,
+            loss=self.loss,
+            grad_norm=self.grad_norms.raw,
+            grad_norm_clipped=self.grad_norms.clipped,
+            waiting_for=tuple(self.waiting_for),
+            excluded=tuple(self.auditor.record()),
+        )
+
+    def trips(self) -> Sequence[Trip]:
+        return list(self.recent_trips)
+
+    async def state_dict(self) -> TrainedState | None:
+        return await self.compute(snapshot_trained, self.head, self.optimizer, None, 0, priority=BACKWARD)
+
+    async def load_state_dict(self, state: TrainedState) -> None:
+        """Go on from a save: its weights and optimizer, and its step (a step's batch is a pure function
+        of run, shard and step, so the step is this node's position in its data)."""
+        self.optimizer = await self.compute(restore_trained, self.head, state, self.run, priority=BACKWARD)
+        self.first_step = state.inner_step
+
+    async def join_by_copy(self) -> str | None:
+        """A data node's embedding and head are its own: nothing to copy."""
+        return None
+
+    async def work(self) -> dict | None:
+        return await self.train()
 
     async def forward_through(
         self, hops: tuple[tuple[int, str], ...], x: torch.Tensor, tag: str
@@ -729,20 +774,20 @@ class DataDriver(PipelineEngine):
         """An evaluation forward of `x` (B, T, C) through exactly these (stage, peer) hops, whose output
         comes home as it is instead of into a loss; None if it did not come. No re-routing: an audit
         must hear from the replica it names."""
-        wire_id = f"{self.node.short_id}-{tag}#{secrets.token_hex(16)}"
+        wire_id = f"{self.ctx.short_id}-{tag}#{secrets.token_hex(16)}"
         done = asyncio.get_running_loop().create_future()
         blank = torch.zeros(x.shape[:2], dtype=torch.long)  # no targets: only the shape is checked
         peers, stages = tuple(p for _, p in hops), tuple(s for s, _ in hops)
         entry = InFlight(tag, x, blank, 1.0, done, route_peers=peers, route_stages=stages, capture=True)
         self.in_flight[wire_id] = entry
         route = tuple(Hop(stage=s, peer_id=p) for s, p in hops)
-        request = ForwardRequest(microbatch_id=wire_id, origin=self.node.peer_id, step=-1, hop=0, route=route,
+        request = ForwardRequest(microbatch_id=wire_id, origin=self.ctx.peer_id, step=-1, hop=0, route=route,
                                  needs_backward=False)  # fmt: skip
         try:
             await self.send(peers[0], "rpc_forward", request, x)
-            outcome = await asyncio.wait_for(asyncio.shield(done), self.node.config.microbatch_timeout_s)
+            outcome = await asyncio.wait_for(asyncio.shield(done), self.ctx.config.microbatch_timeout_s)
         except (HopFailed, TimeoutError) as e:
-            logger.info("[%s] %s through %s did not come home: %s", self.node.short_id, tag,
+            logger.info("[%s] %s through %s did not come home: %s", self.ctx.short_id, tag,
                         [p[-8:] for p in peers], e)  # fmt: skip
             return None
         finally:
@@ -757,12 +802,12 @@ class DataDriver(PipelineEngine):
         """--probe-file: run the probes (JSON `tokens` rows, `positions`, `targets`; e.g. a backdoor's
         trigger, shoal.adversary.backdoor.write_probes) through the swarm's model as this data node
         routes it, and count the probes whose top prediction at their position is their target."""
-        path = self.node.config.probe_file
+        path = self.ctx.config.probe_file
         if not path:
             return None
         tokens, positions, targets = read_probes(path, self.run)
         size = self.run.train.microbatch_size
-        slots = asyncio.Semaphore(self.node.max_inflight)
+        slots = asyncio.Semaphore(self.ctx.max_inflight)
 
         async def one(rows: torch.Tensor, at: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
             async with slots:
@@ -774,7 +819,7 @@ class DataDriver(PipelineEngine):
                     try:
                         y = await self.forward_through(routed.hops, x, "probe")
                     finally:
-                        self.node.router.end(routed)
+                        self.ctx.router.end(routed)
                     if y is not None:
                         top = await self.compute(self._top_predictions, y, priority=FORWARD)  # (B, T)
                         return top[torch.arange(len(at)), at] == want

@@ -14,22 +14,35 @@ a sender that retries a broken stream never makes a hop run twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
-import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.model.stages import build_stage
+from shoal.node.averaging.base import Averager
 from shoal.node.averaging.diloco import DiLoCoAverager
 from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
+from shoal.node.context import NodeContext
+from shoal.node.engine import (
+    GradNorms,
+    Handler,
+    Progress,
+    Repair,
+    TrainedState,
+    outer_state_of,
+    restore_trained,
+    snapshot_trained,
+)
 from shoal.node.net.transport import FramedStream, call
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, push_forward, step_close_patience_s
+from shoal.node.pipeline.hops import WIRE_MAX_ABS, HopFailed, PipelineEngine, push_forward, step_close_patience_s
 from shoal.node.stage.copy import copy_stage, serve_stage_copy
+from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.planning.swarm_view import ROLE_DATA
 from shoal.protocol.pipeline import (
     AbandonNotice,
@@ -81,8 +94,8 @@ class SentGradient:
 
 
 class StageWorker(PipelineEngine):
-    def __init__(self, node, stage: int):
-        super().__init__(node)
+    def __init__(self, ctx: NodeContext, stage: int):
+        super().__init__(ctx)
         run = self.run
         self.stage = stage
         self.module = build_stage(run.model, run.pipeline.stages, stage, run.train.seed)
@@ -106,14 +119,16 @@ class StageWorker(PipelineEngine):
         self.recompute_s = 0.0
         self.expired = 0
         self.copies_served = 0
-        self.attack = None  # an EXPERIMENT's hostile behaviour (shoal.adversary.stage), set by prepare_attack
+        self.hooks = ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
+        self.grad_norms = GradNorms()
+        self.repair: Repair | None = None  # how this node rebuilt its stage, if it did (CheckFree)
         self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
         self.weight_grads: list[asyncio.Future] = []  # W passes queued since the last inner step
         self.closes_heard: dict[str, int] = {}  # per data node: the latest step whose close arrived
         self.closes_handled: dict[str, int] = {}  # ... and was handled: stepped, and averaged when due
         self._close_news = asyncio.Condition()
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
-        self.averager = averager_type(self) if averager_type is not None else None
+        self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
 
     @property
     def busy(self) -> bool:
@@ -133,14 +148,14 @@ class StageWorker(PipelineEngine):
         if request.hop < 0 or request.hop >= len(request.route):
             return "this node is not the data node of that microbatch"
         hop = request.route[request.hop]
-        if hop.peer_id != self.node.peer_id or hop.stage != self.stage:
+        if hop.peer_id != self.ctx.peer_id or hop.stage != self.stage:
             return f"this node holds stage {self.stage}, not stage {hop.stage}"
         return None
 
     def _expiry(self) -> float:
         """How long to keep what a microbatch may still need: its own timeout, plus the time a hop
         after ours may spend waiting for a replica of a stage that has none (a redo then needs it)."""
-        return time.monotonic() + self.node.config.microbatch_timeout_s + self.node.config.stage_wait_s
+        return time.monotonic() + self.ctx.config.microbatch_timeout_s + self.ctx.config.stage_wait_s
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -156,8 +171,8 @@ class StageWorker(PipelineEngine):
         if mb in self.forwarding or mb in self.forwarded or mb in self.saved or mb in self.backward_done:
             return Ack(accepted=True)  # a retried stream (its ack was lost): we already ran it
         held = len(self.forwarding) + (len(self.saved) if request.needs_backward else 0)
-        if held >= self.node.max_inflight:  # evaluation forwards too: every kind of work has a bound
-            return Ack(accepted=False, reason=f"busy: {self.node.max_inflight} microbatches in flight")
+        if held >= self.ctx.max_inflight:  # evaluation forwards too: every kind of work has a bound
+            return Ack(accepted=False, reason=f"busy: {self.ctx.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
         if request.needs_backward:
             self.served[request.origin] = self._expiry()
@@ -185,16 +200,16 @@ class StageWorker(PipelineEngine):
                 )
             except TimeoutError:
                 logger.info("[%s] %s: no close of step %d came from its data node; forwarding on the weights we "
-                            "have", self.node.short_id, request.microbatch_id, previous)  # fmt: skip
+                            "have", self.ctx.short_id, request.microbatch_id, previous)  # fmt: skip
                 return
             if not await self._handled_in_time(origin, previous):
                 logger.warning("[%s] %s: the close of step %d is still being handled after %.0f s; forwarding "
-                               "on the weights we have", self.node.short_id, request.microbatch_id, previous,
-                               step_close_patience_s(self.node.run.averaging.exchange_timeout_s))  # fmt: skip
+                               "on the weights we have", self.ctx.short_id, request.microbatch_id, previous,
+                               step_close_patience_s(self.ctx.run.averaging.exchange_timeout_s))  # fmt: skip
 
     async def _handled_in_time(self, origin: str, step: int) -> bool:
         """Whether `origin`'s close of `step` is handled within its patience (`_close_news` held)."""
-        patience_s = step_close_patience_s(self.node.run.averaging.exchange_timeout_s)
+        patience_s = step_close_patience_s(self.ctx.run.averaging.exchange_timeout_s)
         try:
             await asyncio.wait_for(
                 self._close_news.wait_for(lambda: self.closes_handled.get(origin, -1) >= step), patience_s
@@ -234,11 +249,7 @@ class StageWorker(PipelineEngine):
                 self.spawn(self._maybe_step(), "deferred step")
 
     async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
-        crash_at = self.node.config.inject_crash_at_step
-        if crash_at is not None and request.step >= crash_at:  # fault injection: gone, weights and all
-            logger.warning("[%s] crashing at step %d (--inject-crash-at-step)", self.node.short_id, request.step)
-            sys.stderr.flush()
-            os._exit(137)
+        self.hooks.before_forward(request.step, self.ctx.short_id)
         try:
             await self._after_previous_close(request)
             await self._forward_and_pass_on(request, x)
@@ -249,8 +260,7 @@ class StageWorker(PipelineEngine):
         mb = request.microbatch_id
         try:
             x, y, calls = await self._gated_forward(x, request.needs_backward)
-            if self.node.config.inject_forward_delay_s:  # fault injection: slower than its record claims
-                await asyncio.sleep(self.node.config.inject_forward_delay_s)
+            await self.hooks.after_forward()
             if request.needs_backward:
                 nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
                 where = (self._expiry(), request.origin, request.hop, request.step, nxt)
@@ -280,11 +290,11 @@ class StageWorker(PipelineEngine):
 
     def _choose_next_hop(self, onward: ForwardRequest) -> ForwardRequest:
         """With SWARM routing every sender picks the next hop itself, by its own balancer."""
-        router = self.node.router
+        router = self.ctx.router
         if not router.hop_by_hop or onward.hop >= len(onward.route):
             return onward
         stage = onward.route[onward.hop].stage
-        pick = router.next_hop(self.node.peer_id, stage, exclude=self.banned())
+        pick = router.next_hop(self.ctx.peer_id, stage, exclude=self.banned())
         if pick is None or pick == onward.route[onward.hop].peer_id:
             return onward
         route = list(onward.route)
@@ -343,7 +353,7 @@ class StageWorker(PipelineEngine):
         """Say (bounded: one line per refusal, peer strings escaped by the log formatter) that a peer
         sent what it may not, and return the reason for its Ack."""
         self.refused += 1
-        logger.warning("[%s] refused %s from %s: %s", self.node.short_id, microbatch_id[:96], sender[-8:], why)
+        logger.warning("[%s] refused %s from %s: %s", self.ctx.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
     def _run_backward(self, saved: Saved, grad: torch.Tensor) -> tuple[torch.Tensor, WeightGrads]:
@@ -363,7 +373,10 @@ class StageWorker(PipelineEngine):
         self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
         self.backwards += 1
         self.contributors[request.origin] = max(self.contributors.get(request.origin, -1), request.step)
-        await self._injected_delay(request)
+        if request.hop > 0:
+            upstream_peer = request.route[request.hop - 1].peer_id
+            await self.hooks.before_upstream(request.step, request.hop, request.microbatch_id, upstream_peer,
+                                             self.ctx.short_id)  # fmt: skip
         upstream = BackwardRequest(
             microbatch_id=request.microbatch_id,
             origin=request.origin,
@@ -371,21 +384,8 @@ class StageWorker(PipelineEngine):
             hop=request.hop - 1,
             route=request.route,
         )
-        await self._send_upstream(upstream, grad_in if self.attack is None else self.attack.gradient(grad_in))
+        await self._send_upstream(upstream, self.hooks.gradient(grad_in))
         await self._maybe_step()
-
-    async def _injected_delay(self, request: BackwardRequest) -> None:
-        delay = self.node.config.inject_upstream_delay
-        if delay is not None and request.step == delay[0] and request.hop > 0:
-            upstream = request.route[request.hop - 1].peer_id
-            logger.warning(
-                "[%s] fault injection: holding the gradient of %s for %.1f s before passing it to %s",
-                self.node.short_id,
-                request.microbatch_id,
-                delay[1],
-                upstream,
-            )
-            await asyncio.sleep(delay[1])
 
     async def _send_upstream(self, upstream: BackwardRequest, grad_in: torch.Tensor) -> None:
         """Pass a gradient to the hop before ours; if that hop is gone with its graph, have another
@@ -396,7 +396,7 @@ class StageWorker(PipelineEngine):
             await self.send(target, "rpc_backward", upstream, grad_in)
         except HopFailed as e:
             if upstream.hop < 0:
-                logger.warning("[%s] %s: its data node did not take the gradient: %s", self.node.short_id, mb, e)
+                logger.warning("[%s] %s: its data node did not take the gradient: %s", self.ctx.short_id, mb, e)
                 return
             self.ban(target)
             try:
@@ -485,14 +485,10 @@ class StageWorker(PipelineEngine):
             return await self._close_again(close, sender)
         await self._record_close(self.closes_heard, sender, close.step)
         try:
-            stall = self.node.config.inject_close_stall
-            if stall is not None and stall[0] == close.step:
-                logger.warning("[%s] fault injection: handling the close of step %d is blocked %.0f s in a thread",
-                               self.node.short_id, close.step, stall[1])  # fmt: skip
-                await asyncio.get_running_loop().run_in_executor(None, time.sleep, stall[1])
+            await self.hooks.on_close(close.step, self.ctx.short_id)
             if close.step < self.closes_handled.get(sender, -1):  # the hold gave up on it, and a later one came
                 logger.info("[%s] the close of step %d comes after that of step %d: stale, nothing to do",
-                            self.node.short_id, close.step, self.closes_handled[sender])  # fmt: skip
+                            self.ctx.short_id, close.step, self.closes_handled[sender])  # fmt: skip
                 return Ack(accepted=True)
             return await self._handle_close(close, sender)
         finally:
@@ -518,7 +514,7 @@ class StageWorker(PipelineEngine):
         for mb in over:  # a lost attempt whose release never reached us: its step is over, so is it
             self._drop(mb)
         if over:
-            logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.node.short_id,
+            logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.ctx.short_id,
                         close.step, len(over))  # fmt: skip
         # its microbatches all came home or were given up: no hop of theirs will need redoing. Kept until
         # expiry instead (3 min), a stage's gradients filled ~200 MiB in a 250-step benchmark run
@@ -537,7 +533,7 @@ class StageWorker(PipelineEngine):
                 finally:
                     self.step_gate.set()
             else:
-                logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.node.short_id, epoch)
+                logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.ctx.short_id, epoch)
         return Ack(accepted=True)
 
     async def _is_data_node(self, peer_id: str) -> bool:
@@ -551,7 +547,7 @@ class StageWorker(PipelineEngine):
             return True
 
         def lists() -> bool:
-            view = self.node.view
+            view = self.ctx.view
             return view is not None and any(n.peer_id == peer_id and n.role == ROLE_DATA for n in view.live_nodes())
 
         if lists():
@@ -560,24 +556,77 @@ class StageWorker(PipelineEngine):
         return lists()
 
     async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
-        on_gossip = getattr(self.averager, "on_gossip", None)
-        if on_gossip is None:
+        if not isinstance(self.averager, NoLoCoAverager):
             return Ack(accepted=False, reason="this run does not average with NoLoCo")
-        return await on_gossip(request, stream, sender)
+        return await self.averager.on_gossip(request, stream, sender)
 
-    async def start_averaging(self) -> None:
-        """Start what averaging needs beside our streams (DiLoCo: hivemind's averager); an experiment's
-        attack is made ready first."""
-        await self.prepare_attack()
-        start = getattr(self.averager, "start", None)
-        if start is not None:
-            await start()
+    async def start(self) -> None:
+        """Start what averaging needs beside our streams (DiLoCo: hivemind's averager), once this
+        worker holds its weights; an experiment's attack is made ready first."""
+        on_compute_thread = functools.partial(self.compute, priority=BACKWARD)
+        attack = (self.run, self.stage, self.ctx.peer_id, WIRE_MAX_ABS, on_compute_thread)
+        if await self.hooks.prepare_stage_attack(*attack):
+            logger.warning("[%s] EXPERIMENT: a hostile replica of stage %d (%s)", self.ctx.short_id, self.stage,
+                           self.hooks.stage_attack_name)  # fmt: skip
+        if self.averager is not None:
+            await self.averager.start()
 
-    async def shutdown(self) -> None:
-        stop = getattr(self.averager, "shutdown", None)
-        if stop is not None:
-            await stop()
-        await super().shutdown()
+    async def stop(self) -> None:
+        if self.averager is not None:
+            await self.averager.stop()
+        await super().stop()
+
+    def handlers(self) -> Mapping[str, Handler]:
+        return {
+            "forward": self.on_forward,
+            "backward": self.on_backward,
+            "recompute": self.on_recompute,
+            "fetch_output": self.on_fetch_output,
+            "abandon": self.on_abandon,
+            "recover": self.on_recover,
+            "step_close": self.on_step_close,
+            "gossip": self.on_gossip,
+            "copy_stage": self.on_copy_stage,
+        }
+
+    def progress(self) -> Progress:
+        averager = self.averager
+        return Progress(
+            inner_step=self.optimizer.step_count,
+            outer_epoch=averager.epoch if averager is not None else 0,
+            grad_norm=self.grad_norms.raw,
+            grad_norm_clipped=self.grad_norms.clipped,
+            replica_distance=averager.last_distance if averager is not None else None,
+            repair=self.repair,
+            averager_maddrs=tuple(averager.maddrs) if averager is not None else (),
+            excluded=tuple(averager.excluded) if averager is not None else (),
+        )
+
+    async def state_dict(self) -> TrainedState | None:
+        """Weights, inner and outer optimizer state, between two compute jobs; None during an outer
+        step, whose new slow weights would not match the weights yet."""
+        return await self.compute(self._snapshot, priority=BACKWARD)
+
+    def _snapshot(self) -> TrainedState | None:
+        averager = self.averager
+        if averager is not None and averager.stepping:
+            return None
+        outer = averager.state if averager is not None else None
+        epoch = averager.epoch if averager is not None else 0
+        return snapshot_trained(self.module, self.optimizer, outer, epoch)
+
+    async def load_state_dict(self, state: TrainedState) -> None:
+        self.optimizer = await self.compute(restore_trained, self.module, state, self.run, priority=BACKWARD)
+        if self.averager is not None:
+            self.averager.load(outer_state_of(state, self.module), state.outer_epoch)
+
+    async def repair_if_lost(self) -> Repair | None:
+        """Our stage has no live replica but the swarm has trained: rebuild it from its neighbours
+        (CheckFree); returns the repair, which our record then announces."""
+        if not stage_was_lost(self):
+            return None
+        self.repair = await repair_stage(self)
+        return self.repair
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
         await serve_stage_copy(self, request, stream)
@@ -586,6 +635,10 @@ class StageWorker(PipelineEngine):
     async def join_by_copy(self) -> str | None:
         """Before serving a stage that has a live replica, take its weights; returns whom we copied."""
         return await copy_stage(self)
+
+    async def work(self) -> dict | None:
+        """A stage worker drives nothing: it serves the data nodes' microbatches until stopped."""
+        return None
 
     def _weights_free(self) -> bool:
         """No forward graph lives or is being built, and no step is being taken: the weights may change."""
@@ -604,32 +657,30 @@ class StageWorker(PipelineEngine):
             pending, self.weight_grads = self.weight_grads, []
             await asyncio.gather(*pending)
             stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
-            if self.attack is not None:
+            if self.hooks.alters_weights:
                 params = list(self.module.parameters())
-                await self.compute(self.attack.after_step, params, self.closed_step, priority=BACKWARD)
+                await self.compute(self.hooks.after_step, params, self.closed_step, priority=BACKWARD)
         finally:
             self.step_gate.set()
-        self.node.inner_step = self.optimizer.step_count
         if stats.skipped:
-            logger.warning("[%s] inner step %d skipped: gradient norm %s", self.node.short_id, stats.step,
+            logger.warning("[%s] inner step %d skipped: gradient norm %s", self.ctx.short_id, stats.step,
                            stats.grad_norm)  # fmt: skip
             return
-        self.node.grad_norm = stats.grad_norm
-        self.node.grad_norm_clipped = min(stats.grad_norm, self.run.optim.grad_clip)
+        self.grad_norms.note(stats.grad_norm, self.run.optim.grad_clip)
 
     async def notify_abandon(self, origin: str, microbatch_id: str, reason: str) -> None:
-        logger.warning("[%s] %s cannot go on: %s", self.node.short_id, microbatch_id, reason)
+        logger.warning("[%s] %s cannot go on: %s", self.ctx.short_id, microbatch_id, reason)
         try:
             await call(
-                self.node.dht.p2p,
+                self.ctx.p2p,
                 origin,
                 "rpc_abandon",
                 AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200]),
                 Ack,
-                timeout_s=self.node.config.rpc_timeout_s,
+                timeout_s=self.ctx.config.rpc_timeout_s,
             )
         except Exception as e:
-            logger.info("[%s] could not tell %s: %s", self.node.short_id, origin[-8:], e)
+            logger.info("[%s] could not tell %s: %s", self.ctx.short_id, origin[-8:], e)
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
         """The data node gave this microbatch up (or is done with it): drop what we keep for it."""
@@ -644,6 +695,12 @@ class StageWorker(PipelineEngine):
     def on_view(self, view) -> None:
         """A fresh view of the swarm (each heartbeat): forget what has expired."""
         self.expire()
+
+    def on_peer_restarted(self, restarted: set[str], live: set[str]) -> None:
+        """Restarted data nodes: none of what their old processes injected will come back."""
+        super().on_peer_restarted(restarted, live)
+        for peer in restarted:
+            self.forget_origin(peer)
 
     def forget_origin(self, origin: str) -> int:
         """A data node restarted under the same peer id (restarts.py): none of the microbatches its old
@@ -678,30 +735,9 @@ class StageWorker(PipelineEngine):
 
     # ---- hostile replicas (experiments) and the partners our averaging refused ----------------------
 
-    async def prepare_attack(self) -> None:
-        """With `--experiment-adversary` naming a stage attack, become that hostile replica (the
-        backdoor learns its direction first, on the compute thread)."""
-        name = self.node.config.experiment_adversary
-        if name is None or self.attack is not None:
-            return
-        from shoal.adversary.stage import STAGE_ATTACKS, make_stage_attack
-        from shoal.model.corpus import cache_dir
-        from shoal.node.pipeline.hops import WIRE_MAX_ABS
-
-        if name not in STAGE_ATTACKS:
-            return
-        args = (name, self.run, self.stage, self.node.peer_id, cache_dir(), WIRE_MAX_ABS)
-        self.attack = await self.compute(make_stage_attack, *args, priority=BACKWARD)
-        logger.warning("[%s] EXPERIMENT: a hostile replica of stage %d (%s)", self.node.short_id, self.stage, name)
-
     def _outgoing(self, y: torch.Tensor) -> torch.Tensor:
         """The activation we pass on: ours, or what an experiment's attack makes of it."""
-        return y if self.attack is None else self.attack.activation(y)
-
-    @property
-    def excluded(self) -> list[dict]:
-        """Replicas our robust outer step refused as partners, with the reason (for our node record)."""
-        return list(getattr(self.averager, "excluded", ()))
+        return self.hooks.activation(y)
 
     def stats(self) -> dict:
         return {
@@ -719,6 +755,6 @@ class StageWorker(PipelineEngine):
             "stream_retries": self.stream_retries,
             **self.streams.stats(),
             "copies_served": self.copies_served,
-            "adversary": None if self.attack is None else self.attack.name,
+            "adversary": self.hooks.stage_attack_name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
         }

@@ -1,0 +1,92 @@
+"""What NoLoCo's averager and the DiLoCo baseline share: the replica they average, the outer state
+and its epoch clock, and how a stage worker drives them (`due`, `outer_step`, `load`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import torch
+
+from shoal.node.context import NodeContext
+from shoal.node.hooks import Hooks
+from shoal.train.inner import InnerOptimizer
+from shoal.train.outer import OuterConfig, OuterState, epoch_ended
+from shoal.train.robust import OuterHistory
+
+
+class Replica(Protocol):
+    """The stage worker an averager works for, as the averager sees it."""
+
+    stage: int
+    module: torch.nn.Module
+    optimizer: InnerOptimizer
+    hooks: Hooks
+
+    async def compute(self, fn: Callable[..., Any], *args: Any, priority: int = ...) -> Any: ...
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> Any: ...
+
+
+class Averager:
+    """One replica's outer optimizer. Subclasses exchange with the other replicas in `outer_step`."""
+
+    mode = "none"
+
+    def __init__(self, ctx: NodeContext, replica: Replica, config: OuterConfig):
+        self.ctx, self.worker, self.config = ctx, replica, config
+        averaging, defense = ctx.run.averaging, ctx.run.defense
+        self.timeout_s = averaging.exchange_timeout_s
+        self.state = OuterState.from_module(replica.module)
+        self.epoch = 0  # outer epochs finished
+        self.stepping = False  # an outer step is under way: a snapshot must not take new φ with old θ
+        self.local_steps = 0
+        self.exchange_s: list[float] = []  # wall time of each exchange
+        self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
+        self.history = OuterHistory()  # the robust outer step's memory (shoal/train/robust.py)
+
+    async def start(self) -> None:
+        """Start what the exchange needs beside the node's streams."""
+
+    async def stop(self) -> None:
+        """Stop what `start` started."""
+
+    def due(self, closed_step: int) -> int | None:
+        """The epoch that the close of `closed_step` ends, if it ends one we have not taken."""
+        return epoch_ended(closed_step, self.config.inner_steps, self.epoch)
+
+    async def outer_step(self, epoch: int) -> None:
+        self.stepping = True
+        try:
+            await self._outer_step(epoch)
+        finally:
+            self.stepping = False
+
+    async def _outer_step(self, epoch: int) -> None:
+        raise NotImplementedError
+
+    def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
+        """Take a live replica's slow weights (joining by copy, or a repair)."""
+        self.load(OuterState.from_tensors(phi), epoch)
+
+    def load(self, state: OuterState, epoch: int) -> None:
+        """Go on from this outer state (a copy, a repair, a resumed save)."""
+        self.state, self.epoch = state, epoch
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Where this replica's averaging peers reach it, if not over the node's own streams."""
+        return []
+
+    @property
+    def excluded(self) -> list[dict]:
+        """Partners the robust outer step refused, as node-record entries."""
+        return []
+
+    @property
+    def last_distance(self) -> float | None:
+        """‖θ − θ_partner‖ just before the last exchange (None: none yet, or not measured)."""
+        return None
+
+    def stats(self) -> dict:
+        raise NotImplementedError
