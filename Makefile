@@ -37,11 +37,15 @@ demo: $(VENV)/.installed corpus
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check shoal tests benchmarks
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
+# ruff, the node's import layers (pyproject.toml, [tool.importlinter]) and the protocol's purity test.
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check shoal tests benchmarks
 	$(BIN)/ruff format --check shoal tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q tests/test_protocol_purity.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

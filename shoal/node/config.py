@@ -8,6 +8,7 @@ from pathlib import Path
 from shoal.config import ConfigError
 
 ROLES = ("auto", "data", "worker", "rollout")
+STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 
 
@@ -151,7 +152,5 @@ class NodeConfig:
     def identity_file(self) -> str | None:
         """--identity, else the identity kept in --state-dir, else None (a fresh identity)."""
         if self.identity is None and self.state_dir is not None:
-            from shoal.node.state.store import IDENTITY
-
-            return str(Path(self.state_dir) / IDENTITY)
+            return str(Path(self.state_dir) / STATE_IDENTITY)
         return self.identity

@@ -40,11 +40,12 @@ import torch
 
 from shoal.config import RunConfig
 from shoal.errors import UsageError
+from shoal.node.config import STATE_IDENTITY
 
 FORMAT = "shoal-node-state"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-IDENTITY = "identity"
+IDENTITY = STATE_IDENTITY
 LOCK = "lock"
 TENSOR_FILE = re.compile(r"state-[0-9a-f]{16}\.pt")
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden")  # what parameter shapes depend on
