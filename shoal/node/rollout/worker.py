@@ -103,7 +103,7 @@ class RolloutWorker:
         self.traffic = RolloutTraffic()
         self.round = 0  # the round this node is collecting (or about to)
         self.closed = -1  # rounds up to this one take no more bundles
-        self.busy = False
+        self._in_round = False
         self.summary: dict = {}
         self.accuracy: list[list[float]] = []
         self._inbox: dict[int, dict[str, RolloutBundle]] = {}
@@ -119,6 +119,11 @@ class RolloutWorker:
             logger.warning(
                 "[%s] EXPERIMENT: this node shares poisoned rollouts (%s)", ctx.short_id, self.adversary.name
             )
+
+    @property
+    def busy(self) -> bool:
+        """A round is under way: shutdown lets it finish (bounded by the drain timeout)."""
+        return self._in_round
 
     @property
     def dropped(self) -> tuple[str, ...]:
@@ -249,7 +254,7 @@ class RolloutWorker:
 
     async def _one_round(self, skipped: int) -> None:
         r, loop, began = self.round, asyncio.get_running_loop(), time.monotonic()
-        self.busy = True
+        self._in_round = True
         prompts = prompts_of(self.grpo, self.ctx.peer_id, r)
         own = await loop.run_in_executor(None, make_bundle, self.policy, self.cfg, prompts, self.generator)
         shared = own
@@ -313,7 +318,7 @@ class RolloutWorker:
         if (r + 1) % self.grpo.eval_every == 0 or r + 1 == self.grpo.rounds:
             event["accuracy"] = await loop.run_in_executor(None, self._evaluate)
             self.accuracy.append([r + 1, event["accuracy"]])
-        self.busy = False
+        self._in_round = False
         self._emit(event)
         logger.info("[%s] round %d: reward %.3f, %d foreign bundles, %d refused%s", self.ctx.short_id, r,
                     report.own_reward, len(foreign), len(report.refused),

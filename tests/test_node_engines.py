@@ -1,0 +1,162 @@
+"""The engines in one process, through the interface the node uses (shoal/node/engine.py): no daemon,
+no peers. A `NodeContext` is built from real parts (a router, a link monitor, a view holder, a
+recording publisher); the network is not used, so these check what an engine reports and keeps,
+while the multi-process tests check what only real peers show."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+import torch
+
+from shoal.node.config import NodeConfig
+from shoal.node.context import NodeContext
+from shoal.node.daemon import node_hooks, run_cost_model
+from shoal.node.engine import Engine, Progress
+from shoal.node.hooks import Hooks
+from shoal.node.net.links import LinkMonitor
+from shoal.node.pipeline.data.driver import DataDriver
+from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.rollout.worker import RolloutWorker
+from shoal.planning.peer_router import PeerRouter
+from tests.helpers.tiny import tiny_run
+
+PEER = "QmEngineTestPeer000000000000000000000000000001"
+
+
+class Published:
+    """Counts the node-record publications an engine asks for."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self) -> bool:
+        self.count += 1
+        return True
+
+
+def context(run, config: NodeConfig | None = None, hooks: Hooks | None = None) -> NodeContext:
+    async def no_fresh_view():
+        raise RuntimeError("no DHT in this test")
+
+    return NodeContext(
+        peer_id=PEER,
+        run=run,
+        config=config or NodeConfig(),
+        p2p=None,
+        router=PeerRouter("gwtf", run_cost_model(run), seed=PEER),
+        links=LinkMonitor(None, PEER),
+        started_at=0.0,
+        max_inflight=4,
+        current_view=lambda: None,
+        read_view=no_fresh_view,
+        publish=Published(),
+        hooks=hooks or Hooks.none(),
+    )
+
+
+ENGINE_MEMBERS = [name for name in dir(Engine) if not name.startswith("_")]
+
+
+@pytest.mark.parametrize("engine_type", [DataDriver, StageWorker, RolloutWorker])
+def test_every_engine_provides_every_member_of_the_interface(engine_type) -> None:
+    missing = [name for name in ENGINE_MEMBERS if not hasattr(engine_type, name)]
+    assert not missing, f"{engine_type.__name__} lacks {missing}"
+    for name in ("start", "work", "stop", "state_dict", "load_state_dict", "join_by_copy"):
+        assert inspect.iscoroutinefunction(getattr(engine_type, name)), f"{engine_type.__name__}.{name}"
+
+
+def _one_inner_step(worker: StageWorker, seed: int) -> None:
+    x = torch.randn(2, 8, worker.run.model.d_model, generator=torch.Generator().manual_seed(seed))
+    worker.module(x).pow(2).mean().backward()
+    stats = worker.optimizer.step()
+    worker.grad_norms.note(stats.grad_norm, worker.run.optim.grad_clip)
+
+
+def test_a_stage_worker_reports_its_progress_and_its_state_loads_into_another_bit_for_bit() -> None:
+    async def main() -> None:
+        run = tiny_run(**{"averaging.mode": "noloco"})
+        worker, other = StageWorker(context(run), 1), StageWorker(context(run), 1)
+        try:
+            assert worker.progress() == Progress()  # nothing trained yet: what a fresh record says
+            assert set(worker.handlers()) >= {"forward", "backward", "step_close", "gossip", "copy_stage"}
+            for seed in range(3):
+                _one_inner_step(worker, seed)
+            progress = worker.progress()
+            assert progress.inner_step == 3 and progress.grad_norm is not None
+            assert progress.grad_norm_clipped == min(progress.grad_norm, run.optim.grad_clip)
+            state = await worker.state_dict()
+            assert state is not None and state.inner_step == 3 and state.phi is not None
+            await other.load_state_dict(state)
+            assert other.progress().inner_step == 3
+            for a, b in zip(worker.module.parameters(), other.module.parameters(), strict=True):
+                assert torch.equal(a, b)
+            _one_inner_step(worker, 7)
+            _one_inner_step(other, 7)
+            for a, b in zip(worker.module.parameters(), other.module.parameters(), strict=True):
+                assert torch.equal(a, b)  # the optimizer state came along too
+            worker.averager.stepping = True  # an outer step under way: no snapshot of new φ with old θ
+            assert await worker.state_dict() is None
+        finally:
+            await worker.stop()
+            await other.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lonely_noloco_outer_step_is_logged_as_a_typed_record_and_moves_the_epoch() -> None:
+    async def main() -> None:
+        run = tiny_run(**{"averaging.mode": "noloco"})
+        worker = StageWorker(context(run), 2)
+        try:
+            _one_inner_step(worker, 0)
+            await worker.averager.outer_step(1)  # no view, so no partner: a local outer step
+            step = worker.averager.outer_log[-1]
+            assert (step.epoch, step.partner, step.took_partner, step.partner_gap) == (1, None, False, None)
+            assert step.own_delta_norm > 0
+            assert worker.progress().outer_epoch == 1
+            assert worker.stats()["averaging"]["outer_log"] == [step.as_list()]
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_data_node_resumes_at_its_saved_step() -> None:
+    async def main() -> None:
+        run = tiny_run()
+        driver, resumed = DataDriver(context(run)), DataDriver(context(run))
+        try:
+            tokens = torch.randint(0, run.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+            driver.head.loss(driver.head.embed(tokens[:, :-1]), tokens[:, 1:]).backward()
+            driver.optimizer.step()
+            state = await driver.state_dict()
+            await resumed.load_state_dict(state)
+            assert resumed.first_step == 1 and resumed.progress().inner_step == 1
+            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon"}
+            assert await driver.join_by_copy() is None  # a data node's embedding and head are its own
+        finally:
+            await driver.stop()
+            await resumed.stop()
+
+    asyncio.run(main())
+
+
+def test_a_node_without_fault_flags_gets_hooks_that_change_nothing() -> None:
+    hooks = node_hooks(NodeConfig())
+    y = torch.randn(2, 3, 4)
+    assert hooks.activation(y) is y and hooks.gradient(y) is y
+    assert not hooks.alters_weights and hooks.stage_attack_name is None
+    hooks.before_forward(10**6, "test")  # no crash step: returns
+
+    async def main() -> None:
+        await asyncio.wait_for(hooks.after_forward(), 0.5)
+        await asyncio.wait_for(hooks.before_close_sent(), 0.5)
+        await asyncio.wait_for(hooks.on_close(0, "test"), 0.5)
+        await asyncio.wait_for(hooks.before_upstream(0, 1, "mb", "peer", "test"), 0.5)
+
+    asyncio.run(main())
+    injected = node_hooks(NodeConfig(inject_upstream_delay=(3, 1.5), inject_forward_delay_s=0.25))
+    assert injected.faults.upstream_delay == (3, 1.5) and injected.faults.forward_delay_s == 0.25
