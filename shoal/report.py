@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shoal.files import atomic_save, atomic_write
+
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def plot_curves(
@@ -48,10 +47,8 @@ def plot_curves(
     if len(curves) > 1:
         ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=".tmp.png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_report(

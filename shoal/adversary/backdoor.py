@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from shoal.files import atomic_save, atomic_write
 from shoal.model.config import ModelConfig
 from shoal.model.stages import build_all_stages
 
@@ -124,9 +124,7 @@ def cached_backdoor(
         return torch.load(path, weights_only=True)
     tau = learn_backdoor(cfg, stages, stage, seed, spec)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(tau, tmp)
-    os.replace(tmp, path)
+    atomic_save(path, lambda tmp: torch.save(tau, tmp))
     return tau
 
 
@@ -162,6 +160,4 @@ def hits(logits: torch.Tensor, at: torch.Tensor, target: int) -> torch.Tensor:
 def write_probes(path: Path, tokens: torch.Tensor, at: torch.Tensor, target: int) -> None:
     """A probe file for a data node's `--probe-file` (shoal/node/pipeline/data/driver.py: read_probes)."""
     probes = {"tokens": tokens.tolist(), "positions": at.tolist(), "targets": [target] * len(at)}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(probes))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(probes))

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
+from shoal.files import atomic_write
 from shoal.node.cli.node import add_network_arguments
 
 
@@ -27,10 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_ready_file(path: str, url: str, host: str, port: int) -> None:
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps({"url": url, "host": host, "port": port}))
-    os.replace(tmp, target)
+    atomic_write(path, json.dumps({"url": url, "host": host, "port": port}))
 
 
 def run(args: argparse.Namespace) -> int:

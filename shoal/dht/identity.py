@@ -19,7 +19,6 @@ Identity files of older versions load as they are; their `.rsa` sidecar is no lo
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +30,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.errors import UsageError
+from shoal.files import atomic_write
 
 _SHA2_256 = b"\x12\x20"  # multihash prefix: sha2-256, 32 bytes
 
@@ -84,9 +84,5 @@ def load_identity(path: str | None) -> Identity:
         except Exception as e:
             raise UsageError(f"--identity: {file} is not a libp2p RSA identity ({e})") from None
     identity = Identity(RSAPrivateKey(), str(file), created=True)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(identity.libp2p_key())
-    os.replace(tmp, file)
+    atomic_write(file, identity.libp2p_key(), mode=0o600)
     return identity

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from shoal.files import atomic_save
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.tasks import TRAIN, get_task, task_seed
 from shoal.grpo.tokenizer import PAD_ID
@@ -74,8 +74,7 @@ def cached_warm_up(spec: PolicySpec, cache_dir: Path) -> tuple[Policy, dict]:
         return policy, {**saved["report"], "cached": True}
     policy, report = warm_up(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"state": policy.state_dict(), "report": report, "spec": dataclasses.asdict(spec)}, tmp)
-    os.replace(tmp, path)
+    saved = {"state": policy.state_dict(), "report": report, "spec": dataclasses.asdict(spec)}
+    atomic_save(path, lambda tmp: torch.save(saved, tmp))
     log.info("warmed up %s in %.1f s (loss %.3f)", spec.model_id, report["seconds"], report["final_loss"])
     return policy, {**report, "cached": False}

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from shoal.errors import UsageError
+from shoal.files import atomic_write
 
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 JARGON_FILE = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
@@ -33,9 +34,7 @@ def cache_dir() -> Path:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name in the same folder and rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write(path, data)
 
 
 def _bible_text() -> str | None:

@@ -27,6 +27,7 @@ from shoal.dht.records import MAX_RECORD_NUMBER
 from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
+from shoal.files import atomic_write
 from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
@@ -490,9 +491,8 @@ class Node:
     def _write_ready_file(self) -> None:
         if not self.config.ready_file:
             return
-        path = Path(self.config.ready_file)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(
+        atomic_write(
+            self.config.ready_file,
             json.dumps(
                 {
                     "peer_id": self.peer_id,
@@ -503,9 +503,8 @@ class Node:
                     "pid": os.getpid(),
                     "metrics_port": self.metrics.port if self.metrics is not None else None,
                 }
-            )
+            ),
         )
-        os.replace(tmp, path)
 
     async def _heartbeat(self) -> None:
         while not self._stop.is_set():
@@ -571,10 +570,7 @@ class Node:
     def _write_stats_file(self) -> None:
         if not self.config.stats_file:
             return
-        path = Path(self.config.stats_file)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.stats(), indent=1))
-        os.replace(tmp, path)
+        atomic_write(self.config.stats_file, json.dumps(self.stats(), indent=1))
 
     async def shutdown(self) -> None:
         started = time.monotonic()
