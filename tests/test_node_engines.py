@@ -160,3 +160,25 @@ def test_a_node_without_fault_flags_gets_hooks_that_change_nothing() -> None:
     asyncio.run(main())
     injected = node_hooks(NodeConfig(inject_upstream_delay=(3, 1.5), inject_forward_delay_s=0.25))
     assert injected.faults.upstream_delay == (3, 1.5) and injected.faults.forward_delay_s == 0.25
+
+
+def test_nothing_under_node_probes_an_engine_by_attribute_name() -> None:
+    """The node asks its engine through `Engine` only: a renamed attribute must fail loudly, not turn
+    into a default."""
+    import ast
+    from pathlib import Path
+
+    import shoal.node
+
+    probes = []
+    for path in Path(shoal.node.__file__).parent.rglob("*.py"):
+        for call in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Name)
+                and call.func.id in ("getattr", "hasattr")
+            ):
+                target = ast.unparse(call.args[0]) if call.args else ""
+                if "engine" in target or "averager" in target:
+                    probes.append(f"{path.name}:{call.lineno} {ast.unparse(call)}")
+    assert not probes, probes
