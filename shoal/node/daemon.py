@@ -17,6 +17,7 @@ import random
 import resource
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 from hivemind.utils import get_dht_time
@@ -32,7 +33,7 @@ from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
 from shoal.node.context import NodeContext
-from shoal.node.engine import Engine, Progress
+from shoal.node.engine import Engine, Handler, Progress
 from shoal.node.hooks import Faults, Hooks
 from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.net import reachability
@@ -270,7 +271,7 @@ class Node:
     def current(self) -> tuple[Engine | None, Holder]:
         return self.engine, self.holder()
 
-    def handlers(self):
+    def handlers(self) -> Mapping[str, Handler]:
         return self.engine.handlers() if self.engine is not None else {}
 
     def candidate(self) -> Candidate:

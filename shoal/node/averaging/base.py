@@ -31,8 +31,6 @@ class Replica(Protocol):
 class Averager:
     """One replica's outer optimizer. Subclasses exchange with the other replicas in `outer_step`."""
 
-    mode = "none"
-
     def __init__(self, ctx: NodeContext, replica: Replica, config: OuterConfig):
         self.ctx, self.worker, self.config = ctx, replica, config
         averaging, defense = ctx.run.averaging, ctx.run.defense

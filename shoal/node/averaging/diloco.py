@@ -36,8 +36,6 @@ SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging
 
 
 class DiLoCoAverager(Averager):
-    mode = "diloco"
-
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
         config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)

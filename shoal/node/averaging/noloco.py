@@ -62,8 +62,6 @@ ODD_ONE_OUT_WAIT_S = 0.5
 
 
 class NoLoCoAverager(Averager):
-    mode = "noloco"
-
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
         config = OuterConfig.noloco(

@@ -90,7 +90,6 @@ class RolloutWorker:
     """The engine of a `--role rollout` node: holds a whole policy and runs GRPO rounds."""
 
     movable = False
-    waiting_for: tuple[int, ...] = ()
 
     def __init__(self, ctx: NodeContext, spec: PolicySpec, cache_dir: Path):
         assert ctx.run.grpo is not None, "a rollout worker needs a GRPO run"

@@ -484,8 +484,7 @@ class DataDriver(PipelineEngine):
             await push_forward(self, request, embedded.detach())
             outcome = await self._wait(entry, timeout_s)
         except HopFailed as e:
-            stage_lost = "stage_lost" in str(e)
-            outcome = Outcome("abandoned" if stage_lost else "resend", f"forward into stage {route[0][0]}: {e}")
+            outcome = Outcome("abandoned" if e.stage_lost else "resend", f"forward into stage {route[0][0]}: {e}")
         except TimeoutError:
             kind = "abandoned" if entry.home else "resend"
             where = "in backward" if entry.home else "before coming home"
