@@ -14,7 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+
+from shoal.demo import warm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT_S = 120.0
@@ -27,7 +28,7 @@ RENDER_EVERY_S = 0.5
 @dataclass
 class Peer:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | warm.WarmProcess
     log_path: Path
     ready_file: Path | None = None
     maddrs: list[str] = field(default_factory=list)
@@ -124,35 +125,50 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 
 
 class LocalSwarm:
-    """Owns every process it starts; `close()` ends them all by pid (SIGTERM, then SIGKILL)."""
+    """Owns every process it starts; `close()` ends them all by pid (SIGTERM, then SIGKILL).
 
-    def __init__(self, workdir: Path, log_level: str = "INFO"):
+    With `warm` (the default where Linux offers it) peers are forked from one parent that has
+    imported torch and hivemind already (`shoal.demo.warm`); otherwise each is a fresh interpreter.
+    """
+
+    def __init__(self, workdir: Path, log_level: str = "INFO", warm_start: bool | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_level = log_level
+        if warm_start is None:  # SHOAL_WARM_START=0 starts every peer as a fresh interpreter
+            warm_start = warm.available() and os.environ.get("SHOAL_WARM_START", "1") != "0"
+        self.warm_start = warm_start
         self.peers: list[Peer] = []
 
-    def _spawn(self, args: list[str], name: str, stdout: int | IO = subprocess.DEVNULL) -> Peer:
-        log_path = self.workdir / f"{len(self.peers):02d}-{name}.log"
+    def _spawn(self, args: list[str], name: str) -> Peer:
+        """Start one `shoal` command; its stderr goes to its log, its stdout to a file beside it."""
+        stem = f"{len(self.peers):02d}-{name}"
+        log_path, stdout_path = self.workdir / f"{stem}.log", self.workdir / f"{stem}.out"
+        argv = ["--log-level", self.log_level, *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(
-                shoal_command("--log-level", self.log_level, *args),
-                stdout=stdout,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                text=True,
-                preexec_fn=_end_with_parent,
-            )
+        log_path.write_text("")
+        stdout_path.write_text("")
+        if self.warm_start:
+            process: subprocess.Popen | warm.WarmProcess = warm.WarmProcess(argv, stdout_path, log_path, env)
+        else:
+            with open(log_path, "w") as log, open(stdout_path, "w") as out:
+                process = subprocess.Popen(
+                    shoal_command(*argv),
+                    stdout=out,
+                    stderr=log,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    text=True,
+                    preexec_fn=_end_with_parent,
+                )
         peer = Peer(name, process, log_path)
         self.peers.append(peer)
         return peer
 
     def start_bootstrap(self, *extra: str) -> Peer:
-        peer = self._spawn(["bootstrap", "--host-maddrs", LOOPBACK, *extra], "bootstrap", stdout=subprocess.PIPE)
-        assert peer.process.stdout is not None
-        line = peer.process.stdout.readline().strip()  # the first multiaddress, once it listens
+        peer = self._spawn(["bootstrap", "--host-maddrs", LOOPBACK, *extra], "bootstrap")
+        stdout_path = peer.log_path.with_suffix(".out")
+        line = warm.first_line(stdout_path, peer.process, START_TIMEOUT_S)  # the first multiaddress
         if not line.startswith("/"):
             raise RuntimeError(f"bootstrap peer did not start: {line!r}\n{peer.log()[-2000:]}")
         peer.maddrs, peer.role = [line], "bootstrap"
@@ -218,5 +234,3 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 self.kill(peer)
                 peer.process.wait(timeout=10)
-            if peer.process.stdout is not None:
-                peer.process.stdout.close()
