@@ -21,6 +21,7 @@ from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
 from shoal.planning.peer_router import PeerRouter
+from shoal.planning.swarm_view import NodeInfo, SwarmView
 from tests.helpers.tiny import tiny_run
 
 PEER = "QmEngineTestPeer000000000000000000000000000001"
@@ -182,3 +183,34 @@ def test_nothing_under_node_probes_an_engine_by_attribute_name() -> None:
                 if "engine" in target or "averager" in target:
                     probes.append(f"{path.name}:{call.lineno} {ast.unparse(call)}")
     assert not probes, probes
+
+
+def test_waiting_on_the_view_returns_what_it_waited_for_or_none_at_its_bound() -> None:
+    """`NodeContext.wait_for`, the one "wait until the swarm shows X": it looks again while nothing is
+    found (saying so), returns the first thing found, reads afresh when asked, and gives up on time."""
+    run = tiny_run()
+    views: list[SwarmView | None] = [None, SwarmView(run.run_id, 3, (0, 2, 2))]
+    replica = NodeInfo("QmReplica", "worker", 1, "active", 1.0, 2)
+    views.append(SwarmView(run.run_id, 3, (0, 2, 2), nodes=(replica,)))
+    reads: list[int] = []
+
+    async def read_view() -> SwarmView:
+        reads.append(1)
+        return views[min(len(reads) + 1, len(views) - 1)]
+
+    ctx = context(run)
+    ctx.current_view = lambda: views.pop(0) if len(views) > 1 else views[0]
+    ctx.read_view = read_view
+    waits: list[float] = []
+
+    def first_replica(view: SwarmView) -> str | None:
+        replicas = view.replicas(1)
+        return replicas[0].peer_id if replicas else None
+
+    async def main() -> None:
+        found = await ctx.wait_for(first_replica, 5.0, poll_s=0.01, while_waiting=lambda v, s: waits.append(s))
+        assert found == "QmReplica" and len(waits) == 2  # no view, then a view without one: two more looks
+        assert await ctx.wait_for(lambda view: None, 0.05, poll_s=0.01) is None
+        assert await ctx.wait_for(first_replica, 1.0, poll_s=0.01, fresh=True) == "QmReplica" and reads
+
+    asyncio.run(main())

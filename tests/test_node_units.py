@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
+from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
 from shoal.planning.costs import CostModel
 from shoal.planning.peer_router import PeerRouter, Snapshot
@@ -22,13 +23,16 @@ def test_ledger_accounts_for_every_microbatch():
     for i in range(5):
         ledger.inject(f"m{i}")
     assert ledger.complete("m0") and ledger.complete("m1")
-    assert ledger.abandon("m2", "timed out") and ledger.abandon("m3", "timed out")
+    assert ledger.abandon("m2", AbandonReason.TIMEOUT, "no answer after 60 s")
+    assert ledger.abandon("m3", AbandonReason.STAGE_LOST)
     assert not ledger.complete("m2")  # a late arrival for an abandoned microbatch changes nothing
-    assert not ledger.abandon("m0", "late")  # nor does a late abandon of a completed one
+    assert not ledger.abandon("m0", AbandonReason.TIMEOUT)  # nor does a late abandon of a completed one
     summary = ledger.summary()
     assert summary["microbatches_injected"] == 5
     assert summary["microbatches_completed"] == 2 and summary["microbatches_abandoned"] == 2
-    assert summary["microbatches_in_flight"] == 1 and summary["abandoned_reasons"] == {"timed out": 2}
+    assert summary["microbatches_in_flight"] == 1
+    assert summary["abandoned_reasons"] == {"stage_lost": 1, "timeout": 1}
+    assert summary["abandoned_details"] == ["m2: no answer after 60 s", "m3: stage_lost"]
     with pytest.raises(ValueError):
         ledger.inject("m4")
 

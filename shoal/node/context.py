@@ -7,9 +7,11 @@ Tests build one from real parts (a view, a recording publisher) without starting
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from shoal.config import RunConfig
 from shoal.node.config import NodeConfig
@@ -17,6 +19,9 @@ from shoal.node.hooks import Hooks
 from shoal.node.net.links import LinkMonitor
 from shoal.planning.peer_router import PeerRouter
 from shoal.planning.swarm_view import SwarmView
+
+T = TypeVar("T")
+VIEW_POLL_S = 0.2  # how often a wait on the view looks again: the heartbeat refreshes it every ttl/3
 
 
 @dataclass
@@ -45,3 +50,29 @@ class NodeContext:
 
     async def refresh_view(self) -> SwarmView:
         return await self.read_view()
+
+    async def wait_for(
+        self,
+        found: Callable[[SwarmView], T | None],
+        timeout_s: float | None,
+        *,
+        poll_s: float = VIEW_POLL_S,
+        fresh: bool = False,
+        while_waiting: Callable[[SwarmView | None, float], None] | None = None,
+    ) -> T | None:
+        """Poll the view until `found(view)` is not None and return that, or None once `timeout_s`
+        (None: no bound) has passed. `fresh` reads the view from the DHT at every look instead of
+        taking the node's latest; `while_waiting(view, waited_s)` runs after each look that found
+        nothing (to say what is missing). The one "wait until the swarm shows X" of the node."""
+        started = time.monotonic()
+        while True:
+            view = await self.read_view() if fresh else self.current_view()
+            value = found(view) if view is not None else None
+            if value is not None:
+                return value
+            waited = time.monotonic() - started
+            if timeout_s is not None and waited >= timeout_s:
+                return None
+            if while_waiting is not None:
+                while_waiting(view, waited)
+            await asyncio.sleep(poll_s)

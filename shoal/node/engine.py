@@ -39,6 +39,14 @@ class AbandonReason(enum.StrEnum):
     RECOVER = "recover"
     OTHER = "other"
 
+    @classmethod
+    def parse(cls, value: str) -> AbandonReason:
+        """A kind a peer sent (`AbandonNotice.kind`); one this node does not know is `other`."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
 
 @dataclass(frozen=True)
 class OuterStep:

@@ -53,14 +53,6 @@ ERROR_KINDS = (
 )
 
 
-def reason_kind(reason: str) -> str:
-    """The bounded label for an abandon reason (see REASON_KINDS)."""
-    if "stage_lost" in reason:
-        return "stage_lost"
-    first = reason.split(":", 1)[0].split(" ", 1)[0].strip().lower()
-    return first if first in REASON_KINDS else "other"
-
-
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
@@ -181,8 +173,8 @@ class NodeCollector:
             ):
                 yield _counter(f"microbatches_{name}", doc, stats[f"microbatches_{name}"])
             reasons = dict.fromkeys(REASON_KINDS, 0)
-            for reason, count in stats["abandoned_reasons"].items():
-                reasons[reason_kind(reason)] += count
+            for reason, count in stats["abandoned_reasons"].items():  # the ledger counts by AbandonReason
+                reasons[reason] += count
             yield _counters("microbatches_abandoned", "microbatches given up, by kind of reason", "reason", reasons)
             recoveries = stats["backward_recoveries"]
             yield _counter("backward_recoveries", "lost backward hops this data node had redone", recoveries)

@@ -93,7 +93,10 @@ class AbandonNotice:
     """Tells a data node that one of its microbatches cannot finish, and why."""
 
     microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
-    reason: str = wire_field(max_len=200)
+    reason: str = wire_field(max_len=200)  # for people: logged, never parsed
+    # what kind of loss (shoal.node.engine.AbandonReason's values; one the receiver does not know
+    # counts as "other"): "stage_lost" when a stage on its way had no live replica for the whole wait
+    kind: str = wire_field(max_len=16, token=True, default="other")
 
 
 @message("ack")

@@ -25,6 +25,7 @@ import torch
 from shoal.node.averaging.base import Averager, Replica
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
+from shoal.planning.swarm_view import SwarmView
 from shoal.train.outer import OuterConfig, diloco_step, load_slow_weights, local_step, pseudo_gradient
 from shoal.train.robust import norm, remember, screen_mean
 
@@ -75,14 +76,16 @@ class DiLoCoAverager(Averager):
         never meet. The most senior starts at once; the others join it."""
         node, stage = self.ctx, self.worker.stage
         me = (node.started_at, node.peer_id)
-        deadline = time.monotonic() + SENIOR_WAIT_S
-        while True:
-            view = await node.refresh_view()
-            others = [n for n in view.replicas(stage) if n.peer_id != node.peer_id]
-            seniors = [n for n in others if (n.started_at, n.peer_id) < me]
-            if all(n.averager_maddrs for n in seniors) or time.monotonic() > deadline:
-                return others
-            await asyncio.sleep(0.5)
+
+        def others(view: SwarmView) -> list:
+            return [n for n in view.replicas(stage) if n.peer_id != node.peer_id]
+
+        def once_seniors_ready(view: SwarmView) -> list | None:
+            seniors = [n for n in others(view) if (n.started_at, n.peer_id) < me]
+            return others(view) if all(n.averager_maddrs for n in seniors) else None
+
+        ready = await node.wait_for(once_seniors_ready, SENIOR_WAIT_S, poll_s=0.5, fresh=True)
+        return ready if ready is not None else others(await node.refresh_view())
 
     def _create(self, initial_peers: list[str]) -> None:
         """No target group size: every replica that comes within the matchmaking time is averaged with.

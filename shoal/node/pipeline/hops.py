@@ -17,6 +17,7 @@ import torch
 
 from shoal.logs import printable
 from shoal.node.compute import BACKGROUND, ComputeThread
+from shoal.node.engine import AbandonReason
 from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
@@ -59,6 +60,11 @@ class HopFailed(Exception):
         super().__init__(message)
         self.refused = refused
         self.stage_lost = stage_lost  # a stage on the way had no live replica for the whole stage wait
+
+
+def lost_kind(error: HopFailed, otherwise: AbandonReason) -> AbandonReason:
+    """What a microbatch lost to `error` is counted as: `stage_lost`, or the kind of hop that failed."""
+    return AbandonReason.STAGE_LOST if error.stage_lost else otherwise
 
 
 @dataclass
@@ -238,16 +244,15 @@ class PipelineEngine:
         """A live replica of `stage` outside `exclude`, waiting (bounded by the node's stage wait) while
         the view has none: a stage briefly without a replica is waited for, not given up on. Peers
         excluded or banned are tried again once nothing else is left."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ctx.config.stage_wait_s
-        while True:
+
+        def replacement_now(view: SwarmView) -> str | None:
+            nonlocal exclude
             peer = self.replacement(stage, exclude, prev, nxt)
-            if peer is not None:
-                return peer
-            if loop.time() >= deadline:
-                return None
-            await asyncio.sleep(STAGE_POLL_S)
-            exclude = {p for p in exclude if self._still_listed(p, stage) is False}
+            if peer is None:  # the next look may try again those still listed
+                exclude = {p for p in exclude if self._still_listed(p, stage) is False}
+            return peer
+
+        return await self.ctx.wait_for(replacement_now, self.ctx.config.stage_wait_s, poll_s=STAGE_POLL_S)
 
     def _still_listed(self, peer_id: str, stage: int) -> bool:
         view = self.ctx.view

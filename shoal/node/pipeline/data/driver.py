@@ -25,14 +25,30 @@ from shoal.model.split_backward import WeightGrads
 from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
-from shoal.node.engine import GradNorms, Handler, Progress, TrainedState, restore_trained, snapshot_trained
+from shoal.node.engine import (
+    AbandonReason,
+    GradNorms,
+    Handler,
+    Progress,
+    TrainedState,
+    restore_trained,
+    snapshot_trained,
+)
 from shoal.node.net.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
-from shoal.node.pipeline.hops import STAGE_POLL_S, HopFailed, PipelineEngine, push_forward, step_close_patience_s
+from shoal.node.pipeline.hops import (
+    STAGE_POLL_S,
+    HopFailed,
+    PipelineEngine,
+    lost_kind,
+    push_forward,
+    step_close_patience_s,
+)
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
+from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
@@ -77,7 +93,8 @@ class InFlight:
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # "completed", "resend" or "abandoned"
-    reason: str = ""
+    reason: AbandonReason = AbandonReason.OTHER  # why it did not complete
+    detail: str = ""  # the same in words, for the log and the progress file
 
 
 COMPLETED = Outcome("completed")
@@ -178,22 +195,27 @@ class DataDriver(PipelineEngine):
 
     async def wait_for_pipeline(self, poll_s: float = 0.5, report_s: float = 10.0) -> None:
         """Until every block stage has a live replica; says which are missing while it waits."""
-        started = last_report = time.monotonic()
-        while True:
-            view = self.ctx.view
-            if view is not None and not view.stages_without_replica():
-                return
+        last_report = time.monotonic()
+
+        def say_what_is_missing(view: SwarmView | None, waited_s: float) -> None:
+            nonlocal last_report
             if view is not None and time.monotonic() - last_report >= report_s:
                 missing = view.stages_without_replica()
                 logger.warning(
                     "[%s] waiting %.0f s for a replica of stage(s) %s before training",
                     self.ctx.short_id,
-                    time.monotonic() - started,
+                    waited_s,
                     missing,
                 )
                 last_report = time.monotonic()
-            await asyncio.sleep(poll_s)
-            await self.ctx.refresh_view()
+
+        await self.ctx.wait_for(
+            lambda view: True if not view.stages_without_replica() else None,
+            None,
+            poll_s=poll_s,
+            fresh=True,
+            while_waiting=say_what_is_missing,
+        )
 
     # ---- the training loop ---------------------------------------------------------------------
 
@@ -347,24 +369,21 @@ class DataDriver(PipelineEngine):
         node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
         model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
         node's stage wait, said in the log and the progress file); None if it never came."""
-        deadline = time.monotonic() + self.ctx.config.stage_wait_s
         router = self.ctx.router
         skippipe = train and self.ctx.config.paths == "skippipe"
-        while True:
-            view = self.ctx.view
-            if skippipe and view is not None:
+
+        def route_now(view: SwarmView) -> Routed | None:
+            if skippipe:
                 route = self._planned_path()
                 if route is not None and not set(p for _, p in route.hops) & self.banned():
                     return route
                 self.planned_paths = []  # a path through a peer that just failed: plan again
-            route = router.route(self.ctx.peer_id, exclude=self.banned()) if view else None
-            if route is None and view is not None:  # a ban is a preference, not a verdict
+            route = router.route(self.ctx.peer_id, exclude=self.banned())
+            if route is None:  # a ban is a preference, not a verdict
                 route = router.route(self.ctx.peer_id, exclude=self.auditor.excluded_peers())  # never those
-            if route is not None:
-                return route
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(STAGE_POLL_S)
+            return route
+
+        return await self.ctx.wait_for(route_now, self.ctx.config.stage_wait_s, poll_s=STAGE_POLL_S)
 
     def _swapped(self, routed: Routed, step: int, microbatch: int) -> Routed:
         """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
@@ -432,7 +451,7 @@ class DataDriver(PipelineEngine):
                 route = await self._route(train)
                 if route is None:
                     missing = self.ctx.view.stages_without_replica()
-                    self.ledger.abandon(base_id, f"stage_lost: no live replica of stage(s) {missing}")
+                    self.ledger.abandon(base_id, AbandonReason.STAGE_LOST, f"no live replica of stage(s) {missing}")
                     return None
                 if train:
                     route = self._swapped(route, step, index)
@@ -443,12 +462,13 @@ class DataDriver(PipelineEngine):
                     self.ledger.complete(base_id)
                     return entry.loss
                 if outcome.kind == "abandoned":
-                    self.ledger.abandon(base_id, outcome.reason)
+                    self.ledger.abandon(base_id, outcome.reason, outcome.detail)
                     return None
-                last_reason = outcome.reason
+                last_reason = outcome.detail
                 self.ledger.resend(time.monotonic() - entry.injected_at)
-                logger.info("[%s] %s sent again: %s", self.ctx.short_id, base_id, outcome.reason[:120])
-            self.ledger.abandon(base_id, f"attempts: {MAX_ATTEMPTS} forward passes lost, last: {last_reason}"[:200])
+                logger.info("[%s] %s sent again: %s", self.ctx.short_id, base_id, outcome.detail[:120])
+            lost = f"{MAX_ATTEMPTS} forward passes lost, last: {last_reason}"[:200]
+            self.ledger.abandon(base_id, AbandonReason.ATTEMPTS, lost)
             return None
 
     async def _attempt(
@@ -484,17 +504,18 @@ class DataDriver(PipelineEngine):
             await push_forward(self, request, embedded.detach())
             outcome = await self._wait(entry, timeout_s)
         except HopFailed as e:
-            outcome = Outcome("abandoned" if e.stage_lost else "resend", f"forward into stage {route[0][0]}: {e}")
+            kind = "abandoned" if e.stage_lost else "resend"
+            outcome = Outcome(kind, lost_kind(e, AbandonReason.FORWARD), f"forward into stage {route[0][0]}: {e}")
         except TimeoutError:
             kind = "abandoned" if entry.home else "resend"
             where = "in backward" if entry.home else "before coming home"
-            outcome = Outcome(kind, f"timeout: no answer {where} after {timeout_s:.0f} s")
+            outcome = Outcome(kind, AbandonReason.TIMEOUT, f"no answer {where} after {timeout_s:.0f} s")
         finally:
             self.in_flight.pop(wire_id, None)
             self.load.subtract(entry.route_peers)
             self.ctx.router.end(routed)
         if outcome.kind != "completed":
-            self.spawn(self._release_route(wire_id, entry.route_peers, outcome.reason), f"release {wire_id}")
+            self.spawn(self._release_route(wire_id, entry.route_peers, outcome), f"release {wire_id}")
         return outcome, entry
 
     async def _wait(self, entry: InFlight, timeout_s: float) -> Outcome:
@@ -512,10 +533,10 @@ class DataDriver(PipelineEngine):
         if entry is not None and not entry.done.done():
             entry.done.set_result(outcome)
 
-    async def _release_route(self, microbatch_id: str, peers: tuple[str, ...], reason: str) -> None:
+    async def _release_route(self, microbatch_id: str, peers: tuple[str, ...], outcome: Outcome) -> None:
         """Tell the hops of a lost attempt to drop what they keep for it (their next optimizer step
         waits for such graphs), instead of holding it until it expires."""
-        notice = AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200])
+        notice = AbandonNotice(microbatch_id=microbatch_id, reason=outcome.detail[:200], kind=outcome.reason.value)
         for peer in set(peers):  # banned peers too: a ban is a routing preference, and they may hold a graph
             try:
                 await call(self.ctx.p2p, peer, "rpc_abandon", notice, Ack, timeout_s=5.0)
@@ -593,7 +614,8 @@ class DataDriver(PipelineEngine):
             await self.delegate_recompute(entry.backward, entry.backward.hop, entry.grad, lost_peer, why)
             self.ledger.recoveries += 1
         except HopFailed as e:
-            self._end(wire_id, Outcome("abandoned", f"backward into stage {entry.backward.route[-1].stage}: {e}"))
+            where = f"backward into stage {entry.backward.route[-1].stage}: {e}"
+            self._end(wire_id, Outcome("abandoned", lost_kind(e, AbandonReason.BACKWARD), where))
         finally:
             entry.recovering -= 1
 
@@ -648,7 +670,7 @@ class DataDriver(PipelineEngine):
                 continue
             count += 1
             if not entry.home:
-                self._end(wire_id, Outcome("resend", f"peer {lost[0][-8:]} left the swarm"))
+                self._end(wire_id, Outcome("resend", AbandonReason.FORWARD, f"peer {lost[0][-8:]} left the swarm"))
                 continue
             for peer in lost:
                 if peer not in entry.recovered:
@@ -701,9 +723,10 @@ class DataDriver(PipelineEngine):
             return Ack(accepted=False, reason="unknown microbatch")
         if sender not in entry.route_peers and not await self.listed(sender, entry.route_stages):
             return Ack(accepted=False, reason=self._refuse(sender, notice.microbatch_id, "not a hop of it"))
-        reason = printable(notice.reason, 200)
-        lost_for_good = entry.home or "stage_lost" in reason
-        self._end(notice.microbatch_id, Outcome("abandoned" if lost_for_good else "resend", reason))
+        reason = AbandonReason.parse(notice.kind)
+        lost_for_good = entry.home or reason is AbandonReason.STAGE_LOST
+        detail = printable(notice.reason, 200)
+        self._end(notice.microbatch_id, Outcome("abandoned" if lost_for_good else "resend", reason, detail))
         return Ack(accepted=True)
 
     # ---- evaluation ----------------------------------------------------------------------------

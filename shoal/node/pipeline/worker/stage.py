@@ -30,6 +30,7 @@ from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import (
+    AbandonReason,
     GradNorms,
     Handler,
     Progress,
@@ -40,7 +41,14 @@ from shoal.node.engine import (
     snapshot_trained,
 )
 from shoal.node.net.transport import FramedStream, call
-from shoal.node.pipeline.hops import WIRE_MAX_ABS, HopFailed, PipelineEngine, push_forward, step_close_patience_s
+from shoal.node.pipeline.hops import (
+    WIRE_MAX_ABS,
+    HopFailed,
+    PipelineEngine,
+    lost_kind,
+    push_forward,
+    step_close_patience_s,
+)
 from shoal.node.stage.copy import copy_stage, serve_stage_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.planning.swarm_view import ROLE_DATA
@@ -286,7 +294,9 @@ class StageWorker(PipelineEngine):
                 self.saved[mb].next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
         except HopFailed as e:
             self._drop(mb)
-            await self.notify_abandon(request.origin, mb, f"forward after stage {self.stage}: {e}")
+            await self.notify_abandon(
+                request.origin, mb, f"forward after stage {self.stage}: {e}", lost_kind(e, AbandonReason.FORWARD)
+            )
 
     def _choose_next_hop(self, onward: ForwardRequest) -> ForwardRequest:
         """With SWARM routing every sender picks the next hop itself, by its own balancer."""
@@ -402,7 +412,12 @@ class StageWorker(PipelineEngine):
             try:
                 await self.delegate_recompute(upstream, upstream.hop, grad_in, failed=target, why=str(e))
             except HopFailed as lost:
-                await self.notify_abandon(upstream.origin, mb, f"backward into hop {upstream.hop}: {lost}")
+                await self.notify_abandon(
+                    upstream.origin,
+                    mb,
+                    f"backward into hop {upstream.hop}: {lost}",
+                    lost_kind(lost, AbandonReason.BACKWARD),
+                )
                 return
         if upstream.hop >= 0:
             self.sent[mb] = SentGradient(upstream, grad_in, self._expiry())
@@ -437,10 +452,17 @@ class StageWorker(PipelineEngine):
         try:
             x = await self.fetch_output(source, mb, request.hop - 1)
         except HopFailed as e:
-            await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: input lost: {e}")
+            await self.notify_abandon(
+                request.origin,
+                mb,
+                f"recompute of hop {request.hop}: input lost: {e}",
+                lost_kind(e, AbandonReason.RECOMPUTE),
+            )
             return
         if tuple(x.shape) != tuple(grad.shape):
-            await self.notify_abandon(request.origin, mb, f"recompute of hop {request.hop}: shapes disagree")
+            await self.notify_abandon(
+                request.origin, mb, f"recompute of hop {request.hop}: shapes disagree", AbandonReason.RECOMPUTE
+            )
             return
         x, y, calls = await self.compute(self._run_forward, x, True, priority=BACKWARD)
         nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
@@ -468,7 +490,9 @@ class StageWorker(PipelineEngine):
         try:
             await self.delegate_recompute(kept.request, kept.request.hop, kept.grad, lost_peer, "it left the swarm")
         except HopFailed as e:
-            await self.notify_abandon(kept.request.origin, kept.request.microbatch_id, f"recover: {e}")
+            await self.notify_abandon(
+                kept.request.origin, kept.request.microbatch_id, f"recover: {e}", lost_kind(e, AbandonReason.RECOVER)
+            )
 
     # ---- steps and endings ------------------------------------------------------------------------
 
@@ -668,14 +692,14 @@ class StageWorker(PipelineEngine):
             return
         self.grad_norms.note(stats.grad_norm, self.run.optim.grad_clip)
 
-    async def notify_abandon(self, origin: str, microbatch_id: str, reason: str) -> None:
+    async def notify_abandon(self, origin: str, microbatch_id: str, reason: str, kind: AbandonReason) -> None:
         logger.warning("[%s] %s cannot go on: %s", self.ctx.short_id, microbatch_id, reason)
         try:
             await call(
                 self.ctx.p2p,
                 origin,
                 "rpc_abandon",
-                AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200]),
+                AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200], kind=kind.value),
                 Ack,
                 timeout_s=self.ctx.config.rpc_timeout_s,
             )
