@@ -10,7 +10,7 @@ from shoal.adversary.backdoor import BackdoorSpec, blend, hits, injection, learn
 from shoal.adversary.stage import STAGE_ATTACKS, Backdoor, garbage_like, scaled
 from shoal.config import ConfigError
 from shoal.model.stages import build_all_stages
-from shoal.node.config import NodeConfig
+from shoal.node.config import ExperimentOptions, NodeConfig, PlacementOptions
 from tests.helpers.tiny import tiny_run
 
 BOUND = 65504.0
@@ -62,9 +62,12 @@ def test_a_backdoor_learnt_against_theta0_makes_the_trigger_predict_the_target()
 
 @pytest.mark.parametrize("name", STAGE_ATTACKS)
 def test_a_stage_attack_needs_a_worker(name):
-    assert NodeConfig(role="worker", experiment_adversary=name).experiment_adversary == name
+    def config(role: str, attack: str) -> NodeConfig:
+        return NodeConfig(placement=PlacementOptions(role=role), experiment=ExperimentOptions(adversary=attack))
+
+    assert config("worker", name).experiment.adversary == name
     for role in ("auto", "data", "rollout"):
         with pytest.raises(ConfigError, match="--role worker"):
-            NodeConfig(role=role, experiment_adversary=name)
+            config(role, name)
     with pytest.raises(ConfigError, match="--role rollout"):
-        NodeConfig(role="worker", experiment_adversary="trigger")
+        config("worker", "trigger")

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from shoal.config import ConfigError, bundled_runs, load_run_config, parse_run_config
-from shoal.node.config import NodeConfig
+from shoal.node.config import ExperimentOptions, LimitOptions, NodeConfig
 
 TINY = load_run_config("tiny")
 
@@ -112,10 +112,10 @@ def test_cli_refuses_missing_config_file(tmp_path):
 
 
 def test_a_node_uses_torchs_default_threads_unless_told_and_refuses_zero():
-    assert NodeConfig().threads is None  # torch's default: every core the process may use
-    assert NodeConfig(threads=3).threads == 3
+    assert NodeConfig().limits.threads is None  # torch's default: every core the process may use
+    assert LimitOptions(threads=3).threads == 3
     with pytest.raises(ConfigError, match="--threads"):
-        NodeConfig(threads=0)
+        LimitOptions(threads=0)
     result = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "node", "--threads", "0"], capture_output=True, text=True, timeout=120
     )
@@ -125,12 +125,34 @@ def test_a_node_uses_torchs_default_threads_unless_told_and_refuses_zero():
 
 
 def test_a_node_refuses_an_exit_timeout_that_is_not_positive():
-    assert NodeConfig().exit_timeout_s == 60.0  # the drain, the last save and leaving take seconds
+    assert NodeConfig().limits.exit_timeout_s == 60.0  # the drain, the last save and leaving take seconds
     with pytest.raises(ConfigError, match="--exit-timeout"):
-        NodeConfig(exit_timeout_s=0)
+        LimitOptions(exit_timeout_s=0)
 
 
 def test_a_node_refuses_a_negative_crash_step():
-    assert NodeConfig().inject_crash_at_step is None
+    assert NodeConfig().experiment.crash_at_step is None
     with pytest.raises(ConfigError, match="--inject-crash-at-step"):
-        NodeConfig(inject_crash_at_step=-1)
+        ExperimentOptions(crash_at_step=-1)
+
+
+def test_node_flags_are_generated_from_the_config_sections_with_one_default():
+    """`shoal node`'s flags come from NodeConfig's sections: no flags give the dataclass defaults, and
+    each flag lands in its section's field (the parse functions included)."""
+    from shoal.cli import build_parser
+    from shoal.node.config import SECTIONS
+    from shoal.options import options_of
+
+    parser = build_parser()
+    assert NodeConfig.from_args(parser.parse_args(["node"])) == NodeConfig()
+    flags = [opt.flag for section in SECTIONS for _, opt, _ in options_of(section)]
+    assert len(flags) == len(set(flags)) and "--record-ttl" in flags and "--policy-width" in flags
+    given = ["node", "--record-ttl", "9", "--no-relay", "--data-shard", "1/3", "--host-maddrs", "/ip4/0.0.0.0/tcp/7",
+             "--inject-close-stall", "4:2.5", "--policy-width", "64", "--role", "worker", "--stage", "2"]  # fmt: skip
+    config = NodeConfig.from_args(parser.parse_args(given))
+    assert (config.network.record_ttl_s, config.network.use_relay) == (9.0, False)
+    assert config.network.host_maddrs == ("/ip4/0.0.0.0/tcp/7",) and config.placement.data_shard == (1, 3)
+    assert config.experiment.close_stall == (4, 2.5) and config.policy.width == 64
+    assert (config.placement.role, config.placement.stage) == ("worker", 2)
+    with pytest.raises(ConfigError, match="--stage"):
+        NodeConfig.from_args(parser.parse_args(["node", "--role", "data", "--stage", "1"]))

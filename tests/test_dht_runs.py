@@ -15,7 +15,7 @@ from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import rank_runs
 from shoal.dht.swarm import LOOPBACK_MADDRS, SwarmDHT
-from shoal.node.config import NodeConfig
+from shoal.node.config import NodeConfig, RunChoice
 from shoal.node.daemon import resolve_run
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
@@ -48,7 +48,9 @@ def test_two_runs_under_one_name_resolve_to_the_first_claim_with_a_report(caplog
 
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="shoal.node.daemon"):
-                chosen = [await resolve_run(reader, NodeConfig(run_name=first_run.name)) for reader in readers]
+                chosen = [
+                    await resolve_run(reader, NodeConfig(run=RunChoice(run_name=first_run.name))) for reader in readers
+                ]
                 by_default = await resolve_run(readers[0], NodeConfig())
             assert [c.run_id for c in chosen] == [first_run.run_id] * 2
             assert by_default.run_id == first_run.run_id
@@ -71,7 +73,7 @@ def test_two_runs_under_one_name_resolve_to_the_first_claim_with_a_report(caplog
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="shoal.node.daemon"):
                 pinned = await resolve_run(
-                    readers[1], NodeConfig(run_name=f"{second_run.name}@{second_run.run_id[:8]}")
+                    readers[1], NodeConfig(run=RunChoice(run_name=f"{second_run.name}@{second_run.run_id[:8]}"))
                 )
             assert pinned.run_id == second_run.run_id and not caplog.records
         finally:

@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 
-from shoal.node.config import NodeConfig
+from shoal.node.config import ExperimentOptions, NodeConfig
 from shoal.node.context import NodeContext
 from shoal.node.daemon import node_hooks, run_cost_model
 from shoal.node.engine import Engine, Progress
@@ -159,7 +159,7 @@ def test_a_node_without_fault_flags_gets_hooks_that_change_nothing() -> None:
         await asyncio.wait_for(hooks.before_upstream(0, 1, "mb", "peer", "test"), 0.5)
 
     asyncio.run(main())
-    injected = node_hooks(NodeConfig(inject_upstream_delay=(3, 1.5), inject_forward_delay_s=0.25))
+    injected = node_hooks(NodeConfig(experiment=ExperimentOptions(upstream_delay=(3, 1.5), forward_delay_s=0.25)))
     assert injected.faults.upstream_delay == (3, 1.5) and injected.faults.forward_delay_s == 0.25
 
 

@@ -1,156 +1,389 @@
-"""NodeConfig: how this peer runs (as opposed to RunConfig: what the swarm trains)."""
+"""NodeConfig: how this peer runs (as opposed to RunConfig: what the swarm trains).
+
+In sections, each a frozen dataclass whose fields are also the flags of `shoal node`
+(`shoal.options`): a default and a help text live here and nowhere else. Each section checks its
+own fields; `NodeConfig` checks what spans sections (a stage needs the worker role, an attack its role).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from shoal.config import ConfigError
+from shoal.options import add_option_groups, from_args, option
 
 ROLES = ("auto", "data", "worker", "rollout")
+ROUTINGS = ("auto", "gwtf", "swarm", "capacity", "random")
 STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
+
+
+def _need(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(flag, message)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ConfigError("--data-shard", f"expected K/N, got {text!r}") from None
+    return k, n
+
+
+def _step_and_seconds(flag: str):
+    def parse(text: str) -> tuple[int, float]:
+        try:
+            step, seconds = text.split(":")
+            return int(step), float(seconds)
+        except ValueError:
+            raise ConfigError(flag, f"expected STEP:SECONDS, got {text!r}") from None
+
+    return parse
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """Network: where this peer listens, whom it dials first, who it is."""
+
+    initial_peers: tuple[str, ...] = option(
+        (), "multiaddresses of any peers of the swarm (e.g. a bootstrap peer)", flag="--initial-peers", metavar="MADDR"
+    )
+    host_maddrs: tuple[str, ...] = option(
+        (LOOPBACK_MADDR,),
+        "where to listen (default: loopback, a free port; use /ip4/0.0.0.0/tcp/PORT to accept peers from other "
+        "machines)",
+        flag="--host-maddrs",
+        metavar="MADDR",
+        nargs="+",
+    )
+    announce_maddrs: tuple[str, ...] = option(
+        (), "the addresses other peers should dial (behind NAT or port forwarding)", flag="--announce-maddrs",
+        metavar="MADDR",
+    )  # fmt: skip
+    identity: str | None = option(
+        None, "identity file, created on first use; keeps the peer id across restarts", flag="--identity",
+        metavar="PATH",
+    )  # fmt: skip
+    use_relay: bool = option(True, "do not use libp2p's relay transport at all", flag="--no-relay", negate=True)
+    use_auto_relay: bool = option(
+        False, "behind NAT: find relay peers and be reachable through them (libp2p circuit relay)",
+        flag="--use-auto-relay",
+    )  # fmt: skip
+    record_ttl_s: float = option(30.0, "seconds a record lives without heartbeat", flag="--record-ttl")
+    rpc_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _need(bool(self.host_maddrs), "--host-maddrs", "give at least one address to listen on")
+        _need(
+            not self.use_auto_relay or self.use_relay, "--use-auto-relay", "needs the relay transport: drop --no-relay"
+        )
+        _need(3.0 <= self.record_ttl_s <= 3600.0, "--record-ttl", "must be between 3 and 3600 seconds")
+        _need(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """Run: which run this node joins, and its data."""
+
+    run_name: str | None = option(
+        None, "join this run published in the swarm", flag="--run", metavar="NAME[@RUN_ID]"
+    )  # read this run's config from the DHT
+    run_config_path: str | None = option(None, "or the run in this TOML file", flag="--run-config", metavar="FILE")
+    data_path: str | None = option(
+        None, "text file or folder (data nodes)", flag="--data", metavar="PATH"
+    )  # overrides the run's data.path for this node
+
+    def __post_init__(self) -> None:
+        _need(not (self.run_name and self.run_config_path), "--run", "give --run or --run-config, not both")
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Placement: the role this node takes, where it routes, which data it reads."""
+
+    role: str = option("auto", "auto (default), data or worker; rollout (the only role of a GRPO run)", flag="--role")
+    stage: int | None = option(None, "hold this block stage (default: the swarm's choice)", flag="--stage")
+    routing: str = option(
+        "auto",
+        "auto (default: random replicas when the run averages with NoLoCo, else gwtf), gwtf (min-max path cost "
+        "over measured links), swarm (each hop balances on its own timings), capacity or random",
+        flag="--routing",
+    )
+    paths: str = option(
+        "full", "data nodes: full (every block stage in order) or skippipe (SkipPipe's partial paths)", flag="--paths"
+    )
+    skip: float = option(0.33, "SkipPipe: share of block stages a path skips", flag="--skip")
+    max_swaps: int = option(0, "SkipPipe: adjacent-stage swaps per path", flag="--max-swaps")
+    data_shard: tuple[int, int] = option(
+        (0, 1), "this data node's shard of the data", flag="--data-shard", metavar="K/N", parse=parse_shard
+    )
+
+    def __post_init__(self) -> None:
+        _need(self.role in ROLES, "--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        _need(
+            self.routing in ROUTINGS, "--routing", f"must be {', '.join(ROUTINGS[:-1])} or random, got {self.routing!r}"
+        )
+        _need(self.paths in ("full", "skippipe"), "--paths", f"must be full or skippipe, got {self.paths!r}")
+        _need(0.0 <= self.skip < 1.0, "--skip", f"must be in [0, 1), got {self.skip}")
+        _need(self.max_swaps >= 0, "--max-swaps", "must be zero or more")
+        k, n = self.data_shard
+        _need(0 <= k < n, "--data-shard", f"must be K/N with 0 <= K < N, got {k}/{n}")
+
+
+@dataclass(frozen=True)
+class LimitOptions:
+    """Limits: the cores, memory and patience this node spends."""
+
+    threads: int | None = option(
+        None,
+        "torch threads for this node (default: every core it may use; give 1 when nodes share a machine)",
+        flag="--threads",
+    )
+    max_inflight: int | None = option(
+        None, "microbatches to hold activations for (default: from free memory)", flag="--max-inflight"
+    )
+    microbatch_timeout_s: float = option(
+        60.0, "seconds before a data node re-sends a microbatch that has not come back", flag="--microbatch-timeout"
+    )
+    stage_wait_s: float = option(
+        120.0,
+        "seconds to wait for a stage that has no live replica before abandoning its microbatches",
+        flag="--stage-wait",
+    )
+    exit_timeout_s: float = option(
+        EXIT_TIMEOUT_S,
+        "after SIGTERM or Ctrl-C, exit by then even if the clean shutdown has not finished (status 1)",
+        flag="--exit-timeout",
+        metavar="SECONDS",
+    )
+    drain_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _need(self.threads is None or self.threads >= 1, "--threads", "must be at least 1")
+        _need(self.max_inflight is None or self.max_inflight >= 1, "--max-inflight", "must be at least 1")
+        _need(self.microbatch_timeout_s > 0, "--microbatch-timeout", "must be positive")
+        _need(self.stage_wait_s >= 0, "--stage-wait", "must be zero or more seconds")
+        _need(self.exit_timeout_s > 0, "--exit-timeout", "must be positive")
+        _need(self.drain_timeout_s > 0, "drain_timeout_s", "must be positive")
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """State: what this node keeps across restarts."""
+
+    state_dir: str | None = option(
+        None,
+        "keep this node's identity, weights, optimizer state and counters here, and resume from them after a "
+        "restart (created on first use)",
+        flag="--state-dir",
+        metavar="DIR",
+    )
+    save_every_s: float = option(
+        60.0,
+        "with --state-dir: save this often, and at shutdown (default: 60; a killed node loses at most that)",
+        flag="--save-every-s",
+        metavar="SECONDS",
+    )
+
+    def __post_init__(self) -> None:
+        _need(0.1 <= self.save_every_s <= 86400, "--save-every-s",
+              f"must be between 0.1 and 86400 seconds, got {self.save_every_s}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Output: the files and endpoint where this node says what it does."""
+
+    ready_file: str | None = option(None, "write a JSON line here once active", flag="--ready-file", metavar="PATH")
+    progress_file: str | None = option(
+        None, "data nodes append a JSON line per training step here", flag="--progress-file", metavar="PATH"
+    )
+    stats_file: str | None = option(None, "write counters here at shutdown", flag="--stats-file", metavar="PATH")
+    compute_trace: str | None = option(
+        None,
+        "append a line per compute job here (start and end on the system's monotonic clock, the job, its thread "
+        "CPU seconds): for profiling a pipeline (benchmarks/pipeline_trace.py)",
+        flag="--compute-trace",
+        metavar="PATH",
+    )
+    probe_file: str | None = option(
+        None,
+        "data nodes: after training, run these probes through the swarm and report how many hit (JSON: tokens, "
+        "positions, target; e.g. a backdoor's trigger, see shoal.adversary.backdoor)",
+        flag="--probe-file",
+        metavar="PATH",
+    )
+    metrics_port: int | None = option(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: off)",
+        flag="--metrics-port",
+        metavar="PORT",
+    )
+    metrics_host: str = option(
+        "127.0.0.1",
+        "where the metrics endpoint listens (default: loopback only; 0.0.0.0 for every interface)",
+        flag="--metrics-host",
+        metavar="HOST",
+    )
+
+    def __post_init__(self) -> None:
+        port = self.metrics_port
+        _need(port is None or 0 <= port <= 65535, "--metrics-port", f"must be a TCP port (0: any free one), got {port}")
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """GRPO rollout workers: this node's policy (declared in its record)."""
+
+    width: int = option(48, "model width d", flag="--policy-width")
+    depth: int = option(2, "decoder blocks", flag="--policy-depth")
+    heads: int = option(2, "attention heads", flag="--policy-heads")
+    seed: int = option(0, "initial weights and warm-up data", flag="--policy-seed")
+    warmup_steps: int = option(650, "supervised steps before any GRPO", flag="--warmup-steps")
+    cache: str | None = option(
+        None, "warmed-up policies (default: the shoal cache)", flag="--policy-cache", metavar="DIR"
+    )  # by model id
+
+    def __post_init__(self) -> None:
+        _need(8 <= self.width <= 1024, "--policy-width", f"must be in 8..1024, got {self.width}")
+        _need(1 <= self.depth <= 32, "--policy-depth", f"must be in 1..32, got {self.depth}")
+        heads = self.heads
+        _need(heads >= 1 and not self.width % heads and not (self.width // heads) % 2, "--policy-heads",
+              f"must split --policy-width into even head dims, got {heads}")  # fmt: skip
+        _need(self.seed >= 0, "--policy-seed", "must be zero or more")
+        _need(0 <= self.warmup_steps <= 100_000, "--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class ExperimentOptions:
+    """Experiments and fault injection: for tests, chaos runs and attack studies only (node/hooks.py)."""
+
+    upstream_delay: tuple[int, float] | None = option(
+        None,
+        "fault injection for tests: hold the gradients of STEP that long before passing them upstream (so a kill "
+        "can land while a hop waits for its gradient)",
+        flag="--inject-upstream-delay",
+        metavar="STEP:SECONDS",
+        parse=_step_and_seconds("--inject-upstream-delay"),
+    )
+    close_stall: tuple[int, float] | None = option(
+        None,
+        "fault injection for tests: a worker whose handling of the data node's close of STEP is blocked that long "
+        "in a thread",
+        flag="--inject-close-stall",
+        metavar="STEP:SECONDS",
+        parse=_step_and_seconds("--inject-close-stall"),
+    )
+    crash_at_step: int | None = option(
+        None,
+        "fault injection for tests: a worker that dies as if SIGKILLed when the first forward of STEP reaches it",
+        flag="--inject-crash-at-step",
+        metavar="STEP",
+    )
+    forward_delay_s: float = option(
+        0.0,
+        "fault injection for tests: a worker slower than it claims, by this much per forward",
+        flag="--inject-forward-delay",
+        metavar="SECONDS",
+    )
+    close_delay_s: float = option(
+        0.0,
+        "fault injection for tests: a data node that sends each step close this much later",
+        flag="--inject-close-delay",
+        metavar="SECONDS",
+    )
+    adversary: str | None = option(
+        None,
+        "EXPERIMENT ONLY: with --role rollout, share poisoned rollouts (trigger, wrong-step, reward-lie, "
+        "vertical-trick, length); with --role worker, be a hostile stage replica (backdoor, garbage, scaled)",
+        flag="--experiment-adversary",
+        metavar="ATTACK",
+    )
+    undefended: bool = option(
+        False,
+        "EXPERIMENT ONLY: with --role rollout, run none of the checks on peers' rollouts whatever the run config "
+        "says (one node's defenses are its own: an undefended and a defended node can share one swarm)",
+        flag="--experiment-undefended",
+    )
+
+    def __post_init__(self) -> None:
+        _need(self.forward_delay_s >= 0, "--inject-forward-delay", "must be zero or more")
+        _need(self.crash_at_step is None or self.crash_at_step >= 0, "--inject-crash-at-step", "must be zero or more")
+        _need(self.close_delay_s >= 0, "--inject-close-delay", "must be zero or more")
+
+
+SECTIONS = (
+    NetworkOptions,
+    RunChoice,
+    PlacementOptions,
+    LimitOptions,
+    StateOptions,
+    OutputOptions,
+    PolicyOptions,
+    ExperimentOptions,
+)
 
 
 @dataclass(frozen=True)
 class NodeConfig:
-    initial_peers: tuple[str, ...] = ()
-    identity: str | None = None  # path of the identity file; None = a fresh identity each start
-    state_dir: str | None = None  # identity, weights, optimizer state and counters across restarts
-    save_every_s: float = 60.0  # how often a node with a state dir saves (and a kill loses at most)
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    use_relay: bool = True  # libp2p's circuit relay transport (hivemind's default)
-    use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
-    run_name: str | None = None  # read this run's config from the DHT
-    run_config_path: str | None = None  # or from this file
-    data_path: str | None = None  # overrides the run's data.path for this node
-    role: str = "auto"
-    routing: str = "auto"  # auto (random with NoLoCo averaging, else gwtf), gwtf, swarm, capacity or random
-    stage: int | None = None  # hold this block stage and never move (None: the swarm's choice)
-    paths: str = "full"  # data nodes: "full" (every block stage in order) or "skippipe" (partial paths)
-    skip: float = 0.33  # SkipPipe: share of block stages a path skips
-    max_swaps: int = 0  # SkipPipe: adjacent-stage swaps a path may make
-    threads: int | None = None  # torch threads; None: torch's default, every core this process may use
-    max_inflight: int | None = None  # None: derived from free memory
-    record_ttl_s: float = 30.0
-    rpc_timeout_s: float = 30.0
-    drain_timeout_s: float = 5.0
-    exit_timeout_s: float = EXIT_TIMEOUT_S  # after a stop signal, exit by then even if the shutdown is stuck
-    microbatch_timeout_s: float = 60.0  # a data node re-sends a microbatch that has not come back by then
-    stage_wait_s: float = 120.0  # how long to wait for a stage with no live replica before abandoning (stage_lost)
-    data_shard: int = 0  # this data node's shard of the training windows, of `data_shards`
-    data_shards: int = 1
-    ready_file: str | None = None
-    progress_file: str | None = None  # data nodes append one JSON line per step here
-    stats_file: str | None = None  # written at shutdown: counters, traffic, memory
-    compute_trace: str | None = None  # append a line per compute job: start, end, job, thread CPU seconds
-    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port; None: off)
-    metrics_host: str = "127.0.0.1"
-    # fault injection for tests and chaos runs: (step, seconds) to hold the gradients of that step
-    # before passing them upstream, so that a kill can land while a hop waits for its gradient
-    inject_upstream_delay: tuple[int, float] | None = None
-    # fault injection for tests: a worker that computes this much slower than it claims (every forward)
-    inject_forward_delay_s: float = 0.0
-    # fault injection for tests: a data node whose step closes reach the workers this much later, after
-    # the next step's forwards
-    inject_close_delay_s: float = 0.0
-    # fault injection for tests: (step, seconds) a worker's handling of that step's close is blocked in a
-    # thread, as an outer step stuck in its all-reduce's lock was
-    inject_close_stall: tuple[int, float] | None = None
-    # fault injection for tests: a worker that dies as if SIGKILLed (no goodbye, nothing saved) when the
-    # first forward of this training step reaches it, so that a wipe lands on a known step
-    inject_crash_at_step: int | None = None
-    # GRPO rollout workers: this node's own policy (its model id goes into the node record)
-    policy_width: int = 48
-    policy_depth: int = 2
-    policy_heads: int = 2
-    policy_seed: int = 0
-    warmup_steps: int = 650
-    policy_cache: str | None = None  # warmed-up policies by model id (default: the shoal cache)
-    experiment_adversary: str | None = None  # an EXPERIMENT: poisoned rollouts or a hostile stage (shoal.adversary)
-    experiment_undefended: bool = False  # an EXPERIMENT: a rollout worker that checks no peer's rollouts
-    probe_file: str | None = None  # data nodes: after training, probe the swarm's model with these (see data_driver.py)
+    network: NetworkOptions = field(default_factory=NetworkOptions)
+    run: RunChoice = field(default_factory=RunChoice)
+    placement: PlacementOptions = field(default_factory=PlacementOptions)
+    limits: LimitOptions = field(default_factory=LimitOptions)
+    state: StateOptions = field(default_factory=StateOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    experiment: ExperimentOptions = field(default_factory=ExperimentOptions)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.stage is not None and (self.stage < 1 or self.role == "data"):
-            raise ConfigError("--stage", "must be a block stage (1 or more), for a worker")
-        if self.routing not in ("auto", "gwtf", "swarm", "capacity", "random"):
-            raise ConfigError("--routing", f"must be auto, gwtf, swarm, capacity or random, got {self.routing!r}")
-        if self.paths not in ("full", "skippipe"):
-            raise ConfigError("--paths", f"must be full or skippipe, got {self.paths!r}")
-        if not 0.0 <= self.skip < 1.0:
-            raise ConfigError("--skip", f"must be in [0, 1), got {self.skip}")
-        if self.max_swaps < 0:
-            raise ConfigError("--max-swaps", "must be zero or more")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError("--threads", "must be at least 1")
-        if self.inject_forward_delay_s < 0:
-            raise ConfigError("--inject-forward-delay", "must be zero or more")
-        if self.inject_crash_at_step is not None and self.inject_crash_at_step < 0:
-            raise ConfigError("--inject-crash-at-step", "must be zero or more")
-        if self.inject_close_delay_s < 0:
-            raise ConfigError("--inject-close-delay", "must be zero or more")
-        if self.use_auto_relay and not self.use_relay:
-            raise ConfigError("--use-auto-relay", "needs the relay transport: drop --no-relay")
-        if self.max_inflight is not None and self.max_inflight < 1:
-            raise ConfigError("--max-inflight", "must be at least 1")
-        if not 3.0 <= self.record_ttl_s <= 3600.0:
-            raise ConfigError("--record-ttl", "must be between 3 and 3600 seconds")
-        if not 0 <= self.data_shard < self.data_shards:
-            raise ConfigError("--data-shard", f"must be K/N with 0 <= K < N, got {self.data_shard}/{self.data_shards}")
-        if self.microbatch_timeout_s <= 0:
-            raise ConfigError("--microbatch-timeout", "must be positive")
-        if not self.exit_timeout_s > 0:
-            raise ConfigError("--exit-timeout", "must be positive")
-        if self.stage_wait_s < 0:
-            raise ConfigError("--stage-wait", "must be zero or more seconds")
-        if not (8 <= self.policy_width <= 1024):
-            raise ConfigError("--policy-width", f"must be in 8..1024, got {self.policy_width}")
-        if not (1 <= self.policy_depth <= 32):
-            raise ConfigError("--policy-depth", f"must be in 1..32, got {self.policy_depth}")
-        heads = self.policy_heads
-        if heads < 1 or self.policy_width % heads or (self.policy_width // heads) % 2:
-            raise ConfigError("--policy-heads", f"must split --policy-width into even head dims, got {heads}")
-        if self.policy_seed < 0:
-            raise ConfigError("--policy-seed", "must be zero or more")
-        if not (0 <= self.warmup_steps <= 100_000):
-            raise ConfigError("--warmup-steps", f"must be in 0..100000, got {self.warmup_steps}")
-        if self.experiment_adversary is not None:
+        role = self.placement.role
+        stage = self.placement.stage
+        _need(stage is None or (stage >= 1 and role != "data"), "--stage",
+              "must be a block stage (1 or more), for a worker")  # fmt: skip
+        if self.experiment.adversary is not None:
             self._check_adversary()
-        if self.experiment_undefended and self.role != "rollout":
-            raise ConfigError("--experiment-undefended", "it turns off a rollout worker's checks: use --role rollout")
-        if self.run_name and self.run_config_path:
-            raise ConfigError("--run", "give --run or --run-config, not both")
-        if not 0.1 <= self.save_every_s <= 86400:
-            raise ConfigError("--save-every-s", f"must be between 0.1 and 86400 seconds, got {self.save_every_s}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("--metrics-port", f"must be a TCP port (0: any free one), got {self.metrics_port}")
+        _need(not self.experiment.undefended or role == "rollout", "--experiment-undefended",
+              "it turns off a rollout worker's checks: use --role rollout")  # fmt: skip
 
     def _check_adversary(self) -> None:
         """Rollout attacks need --role rollout; hostile stage replicas (shoal.adversary.stage) --role worker."""
         from shoal.adversary.attacks import ATTACKS
         from shoal.adversary.stage import STAGE_ATTACKS
 
-        name = self.experiment_adversary
+        name, role = self.experiment.adversary, self.placement.role
         if name not in ATTACKS and name not in STAGE_ATTACKS:
             known = ", ".join([*ATTACKS, *STAGE_ATTACKS])
             raise ConfigError("--experiment-adversary", f"must be one of {known}, got {name!r}")
-        if name in STAGE_ATTACKS and self.role != "worker":
+        if name in STAGE_ATTACKS and role != "worker":
             raise ConfigError("--experiment-adversary", f"{name} is a stage replica's attack: it needs --role worker")
-        if name in ATTACKS and self.role != "rollout":
+        if name in ATTACKS and role != "rollout":
             raise ConfigError("--experiment-adversary", f"{name} is a rollout attack: it needs --role rollout")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Every section's flags, one help group per section."""
+        add_option_groups(parser, SECTIONS)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NodeConfig:
+        """The config the flags of `add_arguments` describe; a bad value raises `ConfigError` naming its flag."""
+        return cls(**{name: from_args(section, args) for name, section in _SECTION_OF.items()})
 
     @property
     def heartbeat_s(self) -> float:
         """Re-announce at a third of the record's lifetime, so two lost heartbeats do not expire it."""
-        return self.record_ttl_s / 3
+        return self.network.record_ttl_s / 3
 
     @property
     def identity_file(self) -> str | None:
         """--identity, else the identity kept in --state-dir, else None (a fresh identity)."""
-        if self.identity is None and self.state_dir is not None:
-            return str(Path(self.state_dir) / STATE_IDENTITY)
-        return self.identity
+        if self.network.identity is None and self.state.state_dir is not None:
+            return str(Path(self.state.state_dir) / STATE_IDENTITY)
+        return self.network.identity
+
+
+_SECTION_OF = {f.name: section for f, section in zip(fields(NodeConfig), SECTIONS, strict=True)}

@@ -83,11 +83,11 @@ def resident_bytes() -> int:
 
 async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
     """The run to join: a file, a name published in the swarm, the swarm's default, or the bundled one."""
-    if config.run_config_path:
-        run = load_run_config(config.run_config_path)
+    if config.run.run_config_path:
+        run = load_run_config(config.run.run_config_path)
         await dht.read_runs(run.name)  # learn the run's claim, if published, to keep it alive (republish_run)
     else:
-        name, _, pinned = (config.run_name or "").partition("@")
+        name, _, pinned = (config.run.run_name or "").partition("@")
         published: list[PublishedRun] = []
         for attempt in range(RUN_LOOKUP_ATTEMPTS):
             published = [p for p in await dht.read_runs(name or None) if p.config.run_id.startswith(pinned)]
@@ -100,12 +100,12 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
         if published:
             run = published[0].config
         elif name:
-            raise UsageError(f"no run named {config.run_name!r} is published in this swarm")
+            raise UsageError(f"no run named {config.run.run_name!r} is published in this swarm")
         else:
             run = load_run_config("tiny")
             logger.info("[%s] the swarm publishes no default run; using the bundled %r", dht.peer_id[-8:], run.name)
-    if config.data_path:
-        run = run.replace({"data.path": config.data_path})
+    if config.run.data_path:
+        run = run.replace({"data.path": config.run.data_path})
     return run
 
 
@@ -119,21 +119,21 @@ def run_cost_model(run: RunConfig) -> CostModel:
 
 def routing_policy(config: NodeConfig, run: RunConfig) -> str:
     """With NoLoCo, microbatches mix over random replicas (the paper's point); otherwise GWTF."""
-    if config.routing != "auto":
-        return config.routing
+    if config.placement.routing != "auto":
+        return config.placement.routing
     return "random" if run.averaging.mode == "noloco" else "gwtf"
 
 
 def node_hooks(config: NodeConfig) -> Hooks:
     """The node's fault injection and experiment (`--inject-*`, `--experiment-adversary`); by default none."""
     faults = Faults(
-        crash_at_step=config.inject_crash_at_step,
-        forward_delay_s=config.inject_forward_delay_s,
-        upstream_delay=config.inject_upstream_delay,
-        close_delay_s=config.inject_close_delay_s,
-        close_stall=config.inject_close_stall,
+        crash_at_step=config.experiment.crash_at_step,
+        forward_delay_s=config.experiment.forward_delay_s,
+        upstream_delay=config.experiment.upstream_delay,
+        close_delay_s=config.experiment.close_delay_s,
+        close_stall=config.experiment.close_stall,
     )
-    return Hooks(faults, config.experiment_adversary)
+    return Hooks(faults, config.experiment.adversary)
 
 
 def published_number(value: float | None, cap: float = MAX_RECORD_NUMBER) -> float | None:
@@ -169,15 +169,15 @@ class Node:
 
     @classmethod
     async def create(cls, config: NodeConfig) -> Node:
-        keeper = StateKeeper.open(config.state_dir, config.save_every_s) if config.state_dir else None
+        keeper = StateKeeper.open(config.state.state_dir, config.state.save_every_s) if config.state.state_dir else None
         identity = load_identity(config.identity_file)
         dht = await SwarmDHT.create(
             identity,
-            config.initial_peers,
-            config.host_maddrs,
-            config.announce_maddrs,
-            use_relay=config.use_relay,
-            use_auto_relay=config.use_auto_relay,
+            config.network.initial_peers,
+            config.network.host_maddrs,
+            config.network.announce_maddrs,
+            use_relay=config.network.use_relay,
+            use_auto_relay=config.network.use_auto_relay,
         )
         metrics: MetricsServer | None = None
         try:
@@ -185,8 +185,8 @@ class Node:
             logger.info("[%s] run %s (%s): %s", dht.peer_id[-8:], run.name, run.run_id, run.to_json())
             if keeper is not None:
                 keeper.load(run, dht.peer_id)  # a corrupt or foreign state is refused before anything starts
-            if (config.role == "rollout") != (run.mode == "grpo") and config.role != "auto":
-                raise UsageError(f"--role {config.role}: run {run.name} is a {run.mode} run")
+            if (config.placement.role == "rollout") != (run.mode == "grpo") and config.placement.role != "auto":
+                raise UsageError(f"--role {config.placement.role}: run {run.name} is a {run.mode} run")
             throughput = (
                 0.0  # a rollout worker holds no stage: nothing to measure
                 if run.mode == "grpo"
@@ -221,13 +221,13 @@ class Node:
         """The stage to hold now: the one given by --stage, else the swarm's choice (none: 0, for rollouts)."""
         if self.role == ROLE_ROLLOUT:
             return 0
-        if self.config.stage is not None:
-            if self.config.stage >= self.run.pipeline.stages:
+        if self.config.placement.stage is not None:
+            if self.config.placement.stage >= self.run.pipeline.stages:
                 raise UsageError(
-                    f"--stage {self.config.stage}: run {self.run.name} has block stages "
+                    f"--stage {self.config.placement.stage}: run {self.run.name} has block stages "
                     f"1..{self.run.pipeline.stages - 1}"
                 )
-            return self.config.stage
+            return self.config.placement.stage
         assert self.view is not None
         blocks = max(1, self.view.blocks_per_stage[1]) if self.view.stages > 1 else 1
         forward_s = blocks / max(self.block_throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
@@ -279,7 +279,7 @@ class Node:
             peer_id=self.peer_id,
             block_throughput=self.block_throughput,
             started_at=self.started_at,
-            role=self.config.role,
+            role=self.config.placement.role,
             current_stage=self.stage,
         )
 
@@ -317,10 +317,12 @@ class Node:
         }
 
     async def publish(self) -> bool:
-        stored = await self.dht.publish_node(self.record(), self.config.record_ttl_s)
+        stored = await self.dht.publish_node(self.record(), self.config.network.record_ttl_s)
         if not stored:
             logger.warning("[%s] node record was not stored by any peer", self.short_id)
-        await self.dht.republish_run(self.run.run_id, self.config.record_ttl_s)  # the run outlives its publisher
+        await self.dht.republish_run(
+            self.run.run_id, self.config.network.record_ttl_s
+        )  # the run outlives its publisher
         return stored
 
     def _set_stage(self, stage: int) -> None:
@@ -328,13 +330,15 @@ class Node:
             logger.info("[%s] takes stage %d (%s)", self.short_id, stage, self._placement_seen())
         self.stage = stage
         blocks = len(stage_layers(self.run.model.n_layers, self.run.pipeline.stages, stage))
-        self.max_inflight = self.config.max_inflight or capacity.inflight_budget(self.run, max(1, blocks))
+        self.max_inflight = self.config.limits.max_inflight or capacity.inflight_budget(self.run, max(1, blocks))
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
         services = (HealthService(lambda: (self.state, self.stage)), ReachService(), EngineService(self.handlers))
         for service in services:
-            self._handlers += await serve(self.dht.p2p, service, self.config.rpc_timeout_s, self.errors, self.short_id)
+            self._handlers += await serve(
+                self.dht.p2p, service, self.config.network.rpc_timeout_s, self.errors, self.short_id
+            )
         if self.role == ROLE_ROLLOUT:
             await self._start_rollouts()
             return
@@ -369,10 +373,10 @@ class Node:
         from shoal.model.corpus import cache_dir
 
         assert self.run.grpo is not None
-        c = self.config
-        spec = PolicySpec(task=self.run.grpo.task, d_model=c.policy_width, n_layers=c.policy_depth,
-                          n_heads=c.policy_heads, seed=c.policy_seed, warmup_steps=c.warmup_steps)  # fmt: skip
-        worker = RolloutWorker(self.context(), spec, Path(c.policy_cache) if c.policy_cache else cache_dir() / "grpo")
+        p = self.config.policy
+        spec = PolicySpec(task=self.run.grpo.task, d_model=p.width, n_layers=p.depth, n_heads=p.heads, seed=p.seed,
+                          warmup_steps=p.warmup_steps)  # fmt: skip
+        worker = RolloutWorker(self.context(), spec, Path(p.cache) if p.cache else cache_dir() / "grpo")
         await worker.start()
         self.stage, self.engine = 0, worker
         self.view = await self.answering_view()
@@ -388,7 +392,7 @@ class Node:
     async def check_reachability(self) -> None:
         """Ask the initial peers and a few live nodes to dial us back; when none could, say so once
         with the fix (reachability.py). The verdict goes in our record, so `shoal status` shows it."""
-        initial = [m.rsplit("/p2p/", 1)[1] for m in self.config.initial_peers if "/p2p/" in m]
+        initial = [m.rsplit("/p2p/", 1)[1] for m in self.config.network.initial_peers if "/p2p/" in m]
         live = [n.peer_id for n in self.view.live_nodes()] if self.view is not None else []
         askers = list(dict.fromkeys(p for p in [*initial, *random.sample(live, len(live))] if p != self.peer_id))
         if not askers:
@@ -453,8 +457,8 @@ class Node:
         if self.engine is not None:
             await self.engine.stop()
         if self.stage == 0:
-            c = self.config
-            driver = DataDriver(self.context(), c.data_shard, c.data_shards, c.progress_file)
+            shard, shards = self.config.placement.data_shard
+            driver = DataDriver(self.context(), shard, shards, self.config.output.progress_file)
             await driver.start()
             self.engine = driver
             await self._resume(driver)
@@ -490,10 +494,10 @@ class Node:
             await asyncio.sleep(MEMORY_SAMPLE_S)
 
     def _write_ready_file(self) -> None:
-        if not self.config.ready_file:
+        if not self.config.output.ready_file:
             return
         atomic_write(
-            self.config.ready_file,
+            self.config.output.ready_file,
             json.dumps(
                 {
                     "peer_id": self.peer_id,
@@ -569,19 +573,19 @@ class Node:
         }
 
     def _write_stats_file(self) -> None:
-        if not self.config.stats_file:
+        if not self.config.output.stats_file:
             return
-        atomic_write(self.config.stats_file, json.dumps(self.stats(), indent=1))
+        atomic_write(self.config.output.stats_file, json.dumps(self.stats(), indent=1))
 
     async def shutdown(self) -> None:
         started = time.monotonic()
         self._stop.set()
         self.state = STATE_LEAVING
         try:
-            await asyncio.wait_for(self.publish(), self.config.drain_timeout_s)
+            await asyncio.wait_for(self.publish(), self.config.limits.drain_timeout_s)
         except Exception as e:
             logger.info("[%s] could not announce leaving: %s", self.short_id, e)
-        await self.drain(started + self.config.drain_timeout_s)
+        await self.drain(started + self.config.limits.drain_timeout_s)
         try:
             self._write_stats_file()
         except Exception:

@@ -268,11 +268,11 @@ class MetricsServer:
 
 async def serve_node_metrics(node: MetricsSource) -> MetricsServer | None:
     """The node's metrics endpoint, if its config asks for one (`--metrics-port`)."""
-    port = node.config.metrics_port
+    port = node.config.output.metrics_port
     if port is None:
         return None
     server = await MetricsServer.create(
-        registry_for(NodeCollector(node)), node.config.metrics_host, port, node.short_id
+        registry_for(NodeCollector(node)), node.config.output.metrics_host, port, node.short_id
     )
     logger.info("[%s] metrics on %s", node.short_id, server.url)
     return server

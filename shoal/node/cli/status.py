@@ -166,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
     from shoal.errors import UsageError
-    from shoal.node.config import NodeConfig
+    from shoal.node.config import NodeConfig, RunChoice
     from shoal.node.daemon import resolve_run
 
     if not args.initial_peers:
         raise UsageError("--initial-peers is required: the address of any peer of the swarm")
-    lookup = NodeConfig(run_name=args.run, run_config_path=args.run_config)
+    lookup = NodeConfig(run=RunChoice(run_name=args.run, run_config_path=args.run_config))
 
     async def main() -> dict[str, Any]:
         dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)

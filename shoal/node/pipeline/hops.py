@@ -82,7 +82,7 @@ class PipelineEngine:
         self.ctx = ctx
         self.run = ctx.run
         self.wire_dtype = self.run.pipeline.wire_dtype
-        self.compute_thread = ComputeThread(f"compute-{ctx.short_id}", trace_path=ctx.config.compute_trace)
+        self.compute_thread = ComputeThread(f"compute-{ctx.short_id}", trace_path=ctx.config.output.compute_trace)
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -177,7 +177,7 @@ class PipelineEngine:
     async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
         """One hop on a kept stream to the peer if there is one (a kept stream found dead is replaced by
         a fresh one at once: the peer takes a repeat as done), else on a new stream."""
-        timeout_s = self.ctx.config.rpc_timeout_s
+        timeout_s = self.ctx.config.network.rpc_timeout_s
         started = time.monotonic()
         for fresh in (False, True):
             try:
@@ -207,7 +207,7 @@ class PipelineEngine:
 
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
-        timeout_s = self.ctx.config.rpc_timeout_s
+        timeout_s = self.ctx.config.network.rpc_timeout_s
         try:
             stream = await open_call(self.ctx.p2p, peer_id, "rpc_fetch_output", timeout_s)
         except Exception as e:
@@ -252,7 +252,7 @@ class PipelineEngine:
                 exclude = {p for p in exclude if self._still_listed(p, stage) is False}
             return peer
 
-        return await self.ctx.wait_for(replacement_now, self.ctx.config.stage_wait_s, poll_s=STAGE_POLL_S)
+        return await self.ctx.wait_for(replacement_now, self.ctx.config.limits.stage_wait_s, poll_s=STAGE_POLL_S)
 
     def _still_listed(self, peer_id: str, stage: int) -> bool:
         view = self.ctx.view

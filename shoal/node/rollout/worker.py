@@ -96,7 +96,7 @@ class RolloutWorker:
         self.ctx, self.spec, self.cache_dir = ctx, spec, cache_dir
         self.grpo: GRPORunConfig = ctx.run.grpo
         self.cfg = round_config(self.grpo, ctx.run.run_id, ctx.peer_id)
-        if ctx.config.experiment_undefended:  # this node's defenses are its own; the run's config is the default
+        if ctx.config.experiment.undefended:  # this node's defenses are its own; the run's config is the default
             self.cfg = dataclasses.replace(self.cfg, defense=dataclasses.replace(self.cfg.defense, enabled=False))
             logger.warning("[%s] EXPERIMENT: this node checks no peer's rollouts", ctx.short_id)
         self.traffic = RolloutTraffic()
@@ -108,7 +108,7 @@ class RolloutWorker:
         self._inbox: dict[int, dict[str, RolloutBundle]] = {}
         self._arrived = asyncio.Event()
         self._sends: set[asyncio.Task] = set()
-        self._progress = Path(ctx.config.progress_file) if ctx.config.progress_file else None
+        self._progress = Path(ctx.config.output.progress_file) if ctx.config.output.progress_file else None
         self.strikes = Strikes(self.cfg.defense.max_strikes, self.cfg.defense.strike_share)
         self.adversary = None
         if ctx.hooks.adversary is not None:

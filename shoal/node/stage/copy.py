@@ -84,7 +84,7 @@ class FetchedStage:
 
 async def fetch_stage(ctx: NodeContext, peer: str, stage: int, reference: list[torch.Tensor]) -> FetchedStage:
     """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite)."""
-    stream = await open_call(ctx.p2p, peer, "rpc_copy_stage", ctx.config.rpc_timeout_s)
+    stream = await open_call(ctx.p2p, peer, "rpc_copy_stage", ctx.config.network.rpc_timeout_s)
     try:
         await stream.write_message(StageCopyRequest(stage=stage))
         ack = await read_reply(stream, Ack)

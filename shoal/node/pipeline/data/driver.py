@@ -359,7 +359,9 @@ class DataDriver(PipelineEngine):
         if not self.planned_paths:
             n = self.run.microbatches_per_step
             config = self.ctx.config  # a few perturbed re-plans per step: the planner runs every step here
-            options = SkipPipeOptions(skip=config.skip, max_swaps=config.max_swaps, search_budget=4 * n)
+            options = SkipPipeOptions(
+                skip=config.placement.skip, max_swaps=config.placement.max_swaps, search_budget=4 * n
+            )
             planned = self.ctx.router.plan_paths(self.ctx.peer_id, n, options)
             self.planned_paths = planned or []
         return self.planned_paths.pop(0) if self.planned_paths else None
@@ -370,7 +372,7 @@ class DataDriver(PipelineEngine):
         model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
         node's stage wait, said in the log and the progress file); None if it never came."""
         router = self.ctx.router
-        skippipe = train and self.ctx.config.paths == "skippipe"
+        skippipe = train and self.ctx.config.placement.paths == "skippipe"
 
         def route_now(view: SwarmView) -> Routed | None:
             if skippipe:
@@ -383,7 +385,7 @@ class DataDriver(PipelineEngine):
                 route = router.route(self.ctx.peer_id, exclude=self.auditor.excluded_peers())  # never those
             return route
 
-        return await self.ctx.wait_for(route_now, self.ctx.config.stage_wait_s, poll_s=STAGE_POLL_S)
+        return await self.ctx.wait_for(route_now, self.ctx.config.limits.stage_wait_s, poll_s=STAGE_POLL_S)
 
     def _swapped(self, routed: Routed, step: int, microbatch: int) -> Routed:
         """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
@@ -499,7 +501,7 @@ class DataDriver(PipelineEngine):
             route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
             needs_backward=train,
         )
-        timeout_s = self.ctx.config.microbatch_timeout_s
+        timeout_s = self.ctx.config.limits.microbatch_timeout_s
         try:
             await push_forward(self, request, embedded.detach())
             outcome = await self._wait(entry, timeout_s)
@@ -694,7 +696,7 @@ class DataDriver(PipelineEngine):
             if ack.accepted:  # the hop after the lost one has it redone: wait for that, within bounds
                 self.ledger.recoveries += 1
                 entry.recovering += 1
-                grace = self.ctx.config.stage_wait_s + self.ctx.config.microbatch_timeout_s
+                grace = self.ctx.config.limits.stage_wait_s + self.ctx.config.limits.microbatch_timeout_s
                 asyncio.get_running_loop().call_later(grace, self._recovered, entry)
         except Exception as e:
             logger.info("[%s] recover %s via %s: %s", self.ctx.short_id, wire_id, downstream[-8:], e)
@@ -807,7 +809,7 @@ class DataDriver(PipelineEngine):
                                  needs_backward=False)  # fmt: skip
         try:
             await self.send(peers[0], "rpc_forward", request, x)
-            outcome = await asyncio.wait_for(asyncio.shield(done), self.ctx.config.microbatch_timeout_s)
+            outcome = await asyncio.wait_for(asyncio.shield(done), self.ctx.config.limits.microbatch_timeout_s)
         except (HopFailed, TimeoutError) as e:
             logger.info("[%s] %s through %s did not come home: %s", self.ctx.short_id, tag,
                         [p[-8:] for p in peers], e)  # fmt: skip
@@ -824,7 +826,7 @@ class DataDriver(PipelineEngine):
         """--probe-file: run the probes (JSON `tokens` rows, `positions`, `targets`; e.g. a backdoor's
         trigger, shoal.adversary.backdoor.write_probes) through the swarm's model as this data node
         routes it, and count the probes whose top prediction at their position is their target."""
-        path = self.ctx.config.probe_file
+        path = self.ctx.config.output.probe_file
         if not path:
             return None
         tokens, positions, targets = read_probes(path, self.run)

@@ -163,7 +163,7 @@ class StageWorker(PipelineEngine):
     def _expiry(self) -> float:
         """How long to keep what a microbatch may still need: its own timeout, plus the time a hop
         after ours may spend waiting for a replica of a stage that has none (a redo then needs it)."""
-        return time.monotonic() + self.ctx.config.microbatch_timeout_s + self.ctx.config.stage_wait_s
+        return time.monotonic() + self.ctx.config.limits.microbatch_timeout_s + self.ctx.config.limits.stage_wait_s
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -701,7 +701,7 @@ class StageWorker(PipelineEngine):
                 "rpc_abandon",
                 AbandonNotice(microbatch_id=microbatch_id, reason=reason[:200], kind=kind.value),
                 Ack,
-                timeout_s=self.ctx.config.rpc_timeout_s,
+                timeout_s=self.ctx.config.network.rpc_timeout_s,
             )
         except Exception as e:
             logger.info("[%s] could not tell %s: %s", self.ctx.short_id, origin[-8:], e)
