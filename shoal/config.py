@@ -10,14 +10,14 @@ import dataclasses
 import hashlib
 import json
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from shoal.model.config import ModelConfig
+from shoal.protocol.errors import MalformedMessage
+from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -234,47 +234,6 @@ class RunConfig:
         return run_config_from_dict(data)
 
 
-def _check_type(path: str, value: Any, expected: Any) -> Any:
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected in (int, float, str, bool):
-        if type(value) is not expected:
-            raise ConfigError(path, f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    raise TypeError(f"unsupported config field type {expected!r}")
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a table, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in known:
-            where = f"{path}.{key}" if path else key
-            raise ConfigError(where, f"unknown key (known: {', '.join(sorted(known))})")
-    kwargs = {}
-    for name in known:
-        if name not in data:
-            continue
-        where = f"{path}.{name}" if path else name
-        expected = hints[name]
-        if isinstance(expected, types.UnionType):  # an optional section: `Section | None`
-            expected = _optional_section(expected, where)
-        if dataclasses.is_dataclass(expected):
-            kwargs[name] = _build(expected, data[name], where)
-        else:
-            kwargs[name] = _check_type(where, data[name], expected)
-    return cls(**kwargs)
-
-
-def _optional_section(expected: types.UnionType, where: str) -> type:
-    sections = [t for t in typing.get_args(expected) if t is not type(None)]
-    if len(sections) != 1 or not dataclasses.is_dataclass(sections[0]):
-        raise TypeError(f"unsupported union in {where}")
-    return sections[0]
-
-
 def _validate_grpo(g: GRPORunConfig) -> None:
     from shoal.grpo.tasks import TASKS
 
@@ -402,7 +361,13 @@ def _validate_defense(f: PipelineDefenseConfig) -> None:
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
-    cfg = _build(RunConfig, data, "")
+    """The run config a decoded TOML table describes: its shape and types checked by the schema
+    (protocol/schema.py: unknown keys and wrong types refused, ints widened to floats), then the
+    bounds and the relations between fields by `_validate`."""
+    try:
+        cfg = load_document(RunConfig, data)
+    except MalformedMessage as e:
+        raise ConfigError(e.field, e.reason) from None
     _validate(cfg)
     return cfg
 

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 
-def atomic_save(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
+def atomic_save(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp", durable: bool = False) -> Path:
     """Have `write` fill a temporary file beside `path` (same folder, so the rename is atomic), then
-    rename it over `path`. `suffix` keeps the extension a writer may go by (matplotlib does)."""
+    rename it over `path`. `suffix` keeps the extension a writer may go by (matplotlib does).
+    `durable`: the file and the rename are fsynced, so a power cut leaves the old or the new content."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}{suffix}")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}{suffix}")
     try:
         write(tmp)
+        if durable:
+            fsync_path(tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_path(target.parent)
     return target
 
 
-def atomic_write(path: str | Path, data: str | bytes, mode: int | None = None) -> Path:
+def fsync_path(path: Path) -> None:
+    """fsync a file's content, or a folder's entries (after a rename in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, data: str | bytes, mode: int | None = None, durable: bool = False) -> Path:
     """`data` as the whole new content of `path`; `mode` (e.g. 0o600 for a key) from the first byte on."""
     payload = data.encode() if isinstance(data, str) else data
 
@@ -29,4 +44,4 @@ def atomic_write(path: str | Path, data: str | bytes, mode: int | None = None) -
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
 
-    return atomic_save(path, write)
+    return atomic_save(path, write, durable=durable)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from shoal.config import load_run_config
-from shoal.dht.records import MAX_EXCLUDED, NodeRecord, check_exact, node_info
+from shoal.dht.records import MAX_EXCLUDED, NodeRecord, load_record, node_info
 from shoal.node.cli.status import print_table, summarize
 from shoal.planning.swarm_view import SwarmView
 
@@ -29,7 +29,7 @@ def record(**changes) -> dict:
 
 def test_exclusions_travel_in_the_record_into_the_view():
     entry = {"peer_id": "QmHostile", "reason": "stage 1: failed 2 audits"}
-    parsed = check_exact(NodeRecord, record(excluded=[entry]))
+    parsed = load_record(NodeRecord, record(excluded=[entry]))
     assert node_info(parsed, expires_at=0.0).excluded == (("QmHostile", "stage 1: failed 2 audits"),)
 
 
@@ -46,16 +46,16 @@ def test_exclusions_travel_in_the_record_into_the_view():
 )
 def test_malformed_exclusions_are_refused(excluded):
     with pytest.raises(ValueError):
-        check_exact(NodeRecord, record(excluded=excluded))
+        load_record(NodeRecord, record(excluded=excluded))
     without = record()
     del without["excluded"]
     with pytest.raises(ValueError):
-        check_exact(NodeRecord, without)
+        load_record(NodeRecord, without)
 
 
 def test_status_shows_who_excluded_whom_and_why(capsys):
     data = node_info(
-        check_exact(NodeRecord, record(excluded=[{"peer_id": "QmHostile", "reason": "[red]x[/] 2 audits"}])), 0.0
+        load_record(NodeRecord, record(excluded=[{"peer_id": "QmHostile", "reason": "[red]x[/] 2 audits"}])), 0.0
     )
     worker = dataclasses.replace(data, peer_id="QmHonest", role="worker", stage=1, excluded=(("QmHostile", "refused"),))
     hostile = dataclasses.replace(data, peer_id="QmHostile", role="worker", stage=1, excluded=())

@@ -283,3 +283,20 @@ def test_a_state_dir_is_used_by_one_node_at_a_time(tmp_path):
         first.release()
     second.acquire()
     second.release()
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"role": "boss"}, "role"),
+        ({"inner_step": -1}, "inner_step"),
+        ({"lr_scale": "fast"}, "lr_scale"),
+        ({"stage": True}, "stage"),
+        ({"model": {"d_model": 32}}, "model.vocab_size"),
+        ({"tensors": {"file": "../../etc/passwd", "bytes": 1, "sha256": "0" * 64}}, "tensors.file"),
+        ({"surplus": 1}, "surplus"),
+    ],
+)
+def test_a_malformed_manifest_field_is_refused_by_name(saved, changes, field):
+    _rewrite_manifest(saved.path, **changes)
+    assert f"has a missing or malformed '{field}'" in _refused(saved, tiny_run())

@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from shoal.config import RunConfig, parse_run_config
 from shoal.dht.identity import Identity, peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, nodes_key, run_key
-from shoal.dht.records import NodeRecord, RunRecord, check_exact, node_info
+from shoal.dht.records import NodeRecord, RunRecord, load_record, node_info
 from shoal.dht.runs import PublishedRun, rank_runs, run_record, verify_claim
 from shoal.dht.validator import ShoalRecordValidator, owner_key
 from shoal.errors import UsageError
@@ -132,7 +132,7 @@ class SwarmDHT:
         return bool(await self.node.store(key, value, self._next_expiration(key, ttl_s), subkey=self.owner_subkey))
 
     async def publish_node(self, record: dict[str, Any], ttl_s: float) -> bool:
-        check_exact(NodeRecord, record)  # never publish what peers would refuse
+        load_record(NodeRecord, record)  # never publish what peers would refuse
         return await self._store(nodes_key(record["run_id"]), record, ttl_s)
 
     async def publish_run(self, config: RunConfig, ttl_s: float, as_default: bool) -> bool:
@@ -140,7 +140,7 @@ class SwarmDHT:
         record = self._claims.get(config.run_id)
         if record is None:
             record = self._claims[config.run_id] = run_record(config, self.identity.signing_key, get_dht_time())
-        check_exact(RunRecord, record)
+        load_record(RunRecord, record)
         return await self._store_run(record, ttl_s, as_default)
 
     async def _store_run(self, record: dict[str, Any], ttl_s: float, as_default: bool) -> bool:
@@ -171,7 +171,7 @@ class SwarmDHT:
         published: list[PublishedRun] = []
         for subkey, entry in found.value.items():
             try:
-                record = check_exact(RunRecord, entry.value)
+                record = load_record(RunRecord, entry.value)
                 config = parse_run_config(record.toml)
                 publisher = verify_claim(entry.value)
                 holder = peer_id_of_subkey(subkey)
@@ -194,7 +194,7 @@ class SwarmDHT:
         if found is not None and isinstance(found.value, dict):
             for entry in found.value.values():
                 try:
-                    record = check_exact(NodeRecord, entry.value)
+                    record = load_record(NodeRecord, entry.value)
                 except Exception as e:
                     logger.warning("ignoring an invalid node record: %s", e)
                     continue

@@ -26,7 +26,7 @@ from hivemind.utils import MSGPackSerializer
 from shoal.config import ConfigError, parse_run_config
 from shoal.dht.identity import peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, key_id, nodes_key, run_key
-from shoal.dht.records import NodeRecord, RunRecord, check_exact
+from shoal.dht.records import NodeRecord, RunRecord, load_record
 from shoal.dht.runs import verify_claim
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ShoalRecordValidator(RecordValidatorBase):
         value = MSGPackSerializer.loads(record.value)
         kind = value.get("kind") if isinstance(value, dict) else None
         if kind == "node":
-            node = check_exact(NodeRecord, value)
+            node = load_record(NodeRecord, value)
             if record.key != key_id(nodes_key(node.run_id)):
                 raise ValueError(f"node record of run {node.run_id} under a foreign key")
             signer = peer_id_of(owner)
@@ -78,7 +78,7 @@ def check_run_record(key: bytes, value: bytes) -> None:
     run config and verifies a signature: the verdict on the same bytes under the same key is kept
     (a refusal raises, so only records that passed are)."""
     record = MSGPackSerializer.loads(value)
-    run = check_exact(RunRecord, record)
+    run = load_record(RunRecord, record)
     if key not in (key_id(run_key(run.name)), key_id(DEFAULT_RUN_KEY)):
         raise ValueError(f"run record {run.name!r} under a foreign key")
     try:

@@ -37,9 +37,16 @@ class ProtocolError(Exception):
 
 
 class MalformedMessage(ProtocolError):
-    """Not msgpack, not an envelope, or a body that does not match the message's schema."""
+    """Not msgpack, not an envelope, or a body that does not match the message's schema. A schema's
+    refusal names the offending value's path in `field` (``"links[2].peer_id"``; ``""`` for the
+    whole value) and says what is wrong with it in `reason`."""
 
     error_code = "malformed_message"
+
+    def __init__(self, message: str, field: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = one_line(reason or message)
 
 
 class MessageTooLarge(ProtocolError):

@@ -23,10 +23,10 @@ dtype, or not finite.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
-import math
 import os
 import re
 import threading
@@ -40,7 +40,10 @@ import torch
 
 from shoal.config import RunConfig
 from shoal.errors import UsageError
+from shoal.files import atomic_write, fsync_path
 from shoal.node.config import STATE_IDENTITY
+from shoal.protocol.errors import MalformedMessage
+from shoal.protocol.schema import load_document, wire_field
 
 FORMAT = "shoal-node-state"
 FORMAT_VERSION = 1
@@ -90,6 +93,46 @@ class StageShapes:
     optimizer: tuple[tuple[int, ...], ...]
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorFile:
+    """The manifest's description of the tensor file it names."""
+
+    file: str = wire_field(pattern=TENSOR_FILE.pattern)
+    bytes: int = wire_field(ge=0)
+    sha256: str = wire_field(pattern="[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedShape:
+    """The model fields the parameter shapes depend on (SHAPE_FIELDS)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """DIR/manifest.json, read with the schema every shoal document is read with (protocol/schema.py)."""
+
+    format: str = wire_field(choices=(FORMAT,))
+    version: int = wire_field(choices=(FORMAT_VERSION,))
+    run_id: str
+    run_name: str
+    stages: int
+    model: SavedShape
+    peer_id: str
+    stage: int
+    role: str = wire_field(choices=("data", "worker"))
+    inner_step: int = wire_field(ge=0)
+    outer_epoch: int = wire_field(ge=0)
+    lr_scale: float  # finite: the schema refuses NaN and infinities
+    saved_at: float
+    tensors: TensorFile
+
+
 def stage_shapes(run: RunConfig, stage: int) -> StageShapes:
     from shoal.model.stages import build_stage
     from shoal.train.inner import InnerOptimizer
@@ -100,14 +143,6 @@ def stage_shapes(run: RunConfig, stage: int) -> StageShapes:
         params=tuple(tuple(p.shape) for p in module.parameters()),
         optimizer=tuple(tuple(p.shape) for group in groups for p in group["params"]),
     )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -189,46 +224,34 @@ class StateDir:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         return name, size, digest
 
     @staticmethod
-    def manifest(state: SavedState, run: RunConfig, name: str, size: int, digest: str) -> dict[str, Any]:
-        model = run.model
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "run_id": state.run_id,
-            "run_name": run.name,
-            "stages": run.pipeline.stages,
-            "model": {key: getattr(model, key) for key in SHAPE_FIELDS},
-            "peer_id": state.peer_id,
-            "stage": state.stage,
-            "role": state.role,
-            "inner_step": state.inner_step,
-            "outer_epoch": state.outer_epoch,
-            "lr_scale": state.lr_scale,
-            "saved_at": state.saved_at or time.time(),
-            "tensors": {"file": name, "bytes": size, "sha256": digest},
-        }
+    def manifest(state: SavedState, run: RunConfig, name: str, size: int, digest: str) -> Manifest:
+        return Manifest(
+            format=FORMAT,
+            version=FORMAT_VERSION,
+            run_id=state.run_id,
+            run_name=run.name,
+            stages=run.pipeline.stages,
+            model=SavedShape(**{key: getattr(run.model, key) for key in SHAPE_FIELDS}),
+            peer_id=state.peer_id,
+            stage=state.stage,
+            role=state.role,
+            inner_step=state.inner_step,
+            outer_epoch=state.outer_epoch,
+            lr_scale=float(state.lr_scale),
+            saved_at=float(state.saved_at or time.time()),
+            tensors=TensorFile(file=name, bytes=size, sha256=digest),
+        )
 
-    def commit(self, manifest: dict[str, Any]) -> None:
-        """The second half: replace the manifest (temp file, fsync, rename), then drop the tensor
-        files it no longer names."""
-        tmp = self.path / f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.manifest_path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-        _fsync_dir(self.path)
-        keep = manifest["tensors"]["file"]
+    def commit(self, manifest: Manifest) -> None:
+        """The second half: replace the manifest (durably: fsynced before and after the rename), then
+        drop the tensor files it no longer names."""
+        atomic_write(self.manifest_path, json.dumps(dataclasses.asdict(manifest), indent=1), durable=True)
         for old in self.path.glob("state-*.pt"):
-            if old.name != keep:
+            if old.name != manifest.tensors.file:
                 with contextlib.suppress(FileNotFoundError):
                     old.unlink()
 
@@ -240,98 +263,75 @@ class StateDir:
         if not self.manifest_path.exists():
             return None
         manifest = self._read_manifest()
-        tensors_path = self.path / manifest["tensors"]["file"]
-        self._check_intact(tensors_path, manifest["tensors"])  # intact first: then whether it is ours
+        tensors_path = self.path / manifest.tensors.file
+        self._check_intact(tensors_path, manifest.tensors)  # intact first: then whether it is ours
         self._check_foreign(manifest, run, peer_id)
-        stage = manifest["stage"]
         payload = self._read_tensors(tensors_path)
-        weights, inner, phi, momentum = _check_payload(payload, stage_shapes(run, stage), tensors_path)
+        weights, inner, phi, momentum = _check_payload(payload, stage_shapes(run, manifest.stage), tensors_path)
         return SavedState(
-            run_id=manifest["run_id"],
-            peer_id=manifest["peer_id"],
-            stage=stage,
-            role=manifest["role"],
-            inner_step=manifest["inner_step"],
-            outer_epoch=manifest["outer_epoch"],
-            lr_scale=float(manifest["lr_scale"]),
+            run_id=manifest.run_id,
+            peer_id=manifest.peer_id,
+            stage=manifest.stage,
+            role=manifest.role,
+            inner_step=manifest.inner_step,
+            outer_epoch=manifest.outer_epoch,
+            lr_scale=manifest.lr_scale,
             weights=weights,
             inner=inner,
             phi=phi,
             momentum=momentum,
-            saved_at=float(manifest["saved_at"]),
+            saved_at=manifest.saved_at,
         )
 
-    def _read_manifest(self) -> dict[str, Any]:
+    def _read_manifest(self) -> Manifest:
         path = self.manifest_path
         try:
-            manifest = json.loads(path.read_text())
+            data = json.loads(path.read_text())
         except OSError as e:
             raise StateRefused(path, f"cannot be read ({e.strerror})") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise StateRefused(path, f"is not valid JSON ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise StateRefused(path, "is not a shoal node state manifest")
-        if manifest.get("version") != FORMAT_VERSION:
-            raise StateRefused(
-                path, f"has format version {manifest.get('version')!r}; this shoal reads {FORMAT_VERSION}"
-            )
-        expected = {"run_id": str, "run_name": str, "stages": int, "model": dict, "peer_id": str, "stage": int,
-                    "role": str, "inner_step": int, "outer_epoch": int, "lr_scale": (int, float),
-                    "saved_at": (int, float), "tensors": dict}  # fmt: skip
-        for key, kind in expected.items():
-            value = manifest.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise StateRefused(path, f"has a missing or malformed {key!r}")
-        if manifest["inner_step"] < 0 or manifest["outer_epoch"] < 0 or not math.isfinite(manifest["lr_scale"]):
-            raise StateRefused(path, "has negative counters or a non-finite learning-rate scale")
-        if manifest["role"] not in ("data", "worker"):
-            raise StateRefused(path, f"has role {manifest['role']!r}, not data or worker")
-        tensors = manifest["tensors"]
-        if not (
-            isinstance(tensors.get("file"), str)
-            and TENSOR_FILE.fullmatch(tensors["file"])
-            and isinstance(tensors.get("bytes"), int)
-            and isinstance(tensors.get("sha256"), str)
-        ):
-            raise StateRefused(path, "names its tensor file malformed (file, bytes, sha256)")
-        return manifest
+        if data.get("version") != FORMAT_VERSION:
+            raise StateRefused(path, f"has format version {data.get('version')!r}; this shoal reads {FORMAT_VERSION}")
+        try:
+            return load_document(Manifest, data)
+        except MalformedMessage as e:
+            raise StateRefused(path, f"has a missing or malformed {e.field!r}: {e.reason}") from None
 
-    def _check_foreign(self, manifest: dict[str, Any], run: RunConfig, peer_id: str) -> None:
+    def _check_foreign(self, manifest: Manifest, run: RunConfig, peer_id: str) -> None:
         path = self.manifest_path
-        if manifest["stages"] != run.pipeline.stages:
+        if manifest.stages != run.pipeline.stages:
             raise StateRefused(
-                path, f"was saved for a run of {manifest['stages']} stages; run {run.name} has {run.pipeline.stages}"
+                path, f"was saved for a run of {manifest.stages} stages; run {run.name} has {run.pipeline.stages}"
             )
-        ours = {key: getattr(run.model, key) for key in SHAPE_FIELDS}
-        differ = [f"{k} {manifest['model'].get(k)!r} there, {v!r} here" for k, v in ours.items()
-                  if manifest["model"].get(k) != v]  # fmt: skip
+        differ = [f"{k} {getattr(manifest.model, k)!r} there, {getattr(run.model, k)!r} here" for k in SHAPE_FIELDS
+                  if getattr(manifest.model, k) != getattr(run.model, k)]  # fmt: skip
         if differ:
             raise StateRefused(path, f"was saved for another model shape ({', '.join(differ)})")
-        if manifest["run_id"] != run.run_id:
+        if manifest.run_id != run.run_id:
             raise StateRefused(
                 path,
-                f"was saved for run {manifest['run_name']}@{manifest['run_id']}; this node joins run "
-                f"{run.name}@{run.run_id}",
+                f"was saved for run {manifest.run_name}@{manifest.run_id}; this node joins run {run.name}@{run.run_id}",
             )
-        if manifest["peer_id"] != peer_id:
+        if manifest.peer_id != peer_id:
             raise StateRefused(
                 path,
-                f"was saved by peer {manifest['peer_id']}, and this node is {peer_id} (its identity file is "
+                f"was saved by peer {manifest.peer_id}, and this node is {peer_id} (its identity file is "
                 "another one, or was replaced)",
             )
-        if not 0 <= manifest["stage"] < run.pipeline.stages:
-            raise StateRefused(
-                path, f"holds stage {manifest['stage']}, outside this run's 0..{run.pipeline.stages - 1}"
-            )
+        if not 0 <= manifest.stage < run.pipeline.stages:
+            raise StateRefused(path, f"holds stage {manifest.stage}, outside this run's 0..{run.pipeline.stages - 1}")
 
-    def _check_intact(self, path: Path, described: dict[str, Any]) -> None:
+    def _check_intact(self, path: Path, described: TensorFile) -> None:
         try:
             size = path.stat().st_size
         except OSError as e:
             raise StateRefused(path, f"is named by {MANIFEST} but cannot be read ({e.strerror})") from None
-        if size != described["bytes"]:
-            raise StateRefused(path, f"is truncated or altered: {size} bytes, {described['bytes']} were saved")
-        if _sha256(path) != described["sha256"]:
+        if size != described.bytes:
+            raise StateRefused(path, f"is truncated or altered: {size} bytes, {described.bytes} were saved")
+        if _sha256(path) != described.sha256:
             raise StateRefused(path, "does not match its checksum in the manifest (corrupt)")
 
     def _read_tensors(self, path: Path) -> Any:
