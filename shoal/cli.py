@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bootstrap": ("shoal.bootstrap.command", "host a bootstrap peer and print its addresses"),
     "node": ("shoal.node.cli.node", "join a swarm and work"),
     "status": ("shoal.node.cli.status", "show the swarm at a glance"),
+    "export": ("shoal.node.cli.export", "write the swarm's model as a Hugging Face checkpoint"),
     "health": ("shoal.node.cli.health", "ping one node with its health RPC: exit 0 if it answers"),
     "dashboard": ("shoal.dashboard.command", "watch a swarm in a local web page"),
     "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),

@@ -6,12 +6,13 @@ while the multi-process tests check what only real peers show."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 
 import pytest
 import torch
 
-from shoal.node.config import ExperimentOptions, NodeConfig
+from shoal.node.config import ExperimentOptions, LimitOptions, NodeConfig
 from shoal.node.context import NodeContext
 from shoal.node.daemon import node_hooks, run_cost_model
 from shoal.node.engine import Engine, Progress
@@ -136,7 +137,7 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
             state = await driver.state_dict()
             await resumed.load_state_dict(state)
             assert resumed.first_step == 1 and resumed.progress().inner_step == 1
-            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon"}
+            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon", "copy_stage"}
             assert await driver.join_by_copy() is None  # a data node's embedding and head are its own
         finally:
             await driver.stop()
@@ -214,3 +215,75 @@ def test_waiting_on_the_view_returns_what_it_waited_for_or_none_at_its_bound() -
         assert await ctx.wait_for(first_replica, 1.0, poll_s=0.01, fresh=True) == "QmReplica" and reads
 
     asyncio.run(main())
+
+
+def _view_of(run, *nodes: NodeInfo) -> SwarmView:
+    return SwarmView(run.run_id, 3, (0, 2, 2), nodes=nodes, taken_at=0.0)
+
+
+def test_a_data_node_routes_around_banned_peers_but_never_through_excluded_ones_and_swaps_a_share() -> None:
+    """DataRoutes: a ban is a preference (the only replica left is still used), an exclusion is not;
+    CheckFree+ visits the edge block stages swapped for its share of the microbatches."""
+    from shoal.node.pipeline.data.routes import DataRoutes
+    from shoal.planning.peer_router import Snapshot
+
+    run = tiny_run(**{"repair.rule": "checkfree_plus"})
+    ctx = context(run, dataclasses.replace(NodeConfig(), limits=LimitOptions(stage_wait_s=0.05)))
+    data = NodeInfo(PEER, "data", 0, "active", 1.0, 4)
+    one, two = NodeInfo("QmOne", "worker", 1, "active", 1.0, 4), NodeInfo("QmTwo", "worker", 2, "active", 1.0, 4)
+    view = _view_of(run, data, one, two)
+    ctx.current_view = lambda: view
+    ctx.router.update(Snapshot(view, PEER))
+    banned: set[str] = set()
+    excluded: set[str] = set()
+    routes = DataRoutes(ctx, lambda: banned | excluded, lambda: excluded)
+
+    async def main() -> None:
+        routed = await routes.next()
+        assert routed is not None and routed.hops == ((1, "QmOne"), (2, "QmTwo"))
+        ctx.router.end(routed)
+        banned.add("QmOne")  # just failed us, but the only replica of stage 1: still routed to
+        routed = await routes.next()
+        assert routed is not None and routed.hops == ((1, "QmOne"), (2, "QmTwo"))
+        ctx.router.end(routed)
+        excluded.add("QmOne")  # excluded by audits: no route at all, once the stage wait is over
+        assert await routes.next() is None
+
+    asyncio.run(main())
+    straight = ctx.router.route(PEER)
+    shapes = {routes.swapped_for(straight, step, i).hops for step in range(4) for i in range(4)}
+    assert shapes == {((1, "QmOne"), (2, "QmTwo")), ((2, "QmTwo"), (1, "QmOne"))}
+    assert 0 < routes.swapped < 16
+
+
+def test_a_data_node_says_which_stages_it_waits_for_and_which_were_rebuilt(tmp_path) -> None:
+    """StageWatch and the progress file: a stage without a replica is reported once per report
+    interval (and kept for the node record), a worker's repair is written once, at the current step."""
+    import json
+
+    from shoal.node.pipeline.data.ledger import MicrobatchLedger
+    from shoal.node.pipeline.data.progress import ProgressFile, StageWatch
+    from shoal.planning.swarm_view import RepairNote
+
+    run = tiny_run()
+    ctx = context(run)
+    path = tmp_path / "progress.jsonl"
+    rebuilt = NodeInfo("QmTwo", "worker", 2, "active", 1.0, 4, repair=RepairNote(2, "checkfree", (1,), 7, 0.5, 42.0))
+    views = [_view_of(run, NodeInfo(PEER, "data", 0, "active", 1.0, 4), rebuilt)]
+    ctx.current_view = lambda: views[-1]
+    watch = StageWatch(ctx, ProgressFile(str(path)), MicrobatchLedger())
+    finished = asyncio.Event()
+
+    async def main() -> None:
+        task = asyncio.create_task(watch.run(finished, lambda: 5))
+        await asyncio.sleep(0.05)
+        assert watch.waiting_for == [1]
+        await asyncio.sleep(0.6)  # several looks: one report, one repair event
+        finished.set()
+        await task
+
+    asyncio.run(main())
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["waiting", "repair"]
+    assert events[0]["stages"] == [1] and events[0]["ledger"]["microbatches_in_flight"] == 0
+    assert events[1]["step"] == 5 and events[1]["rule"] == "checkfree" and events[1]["sources"] == [1]

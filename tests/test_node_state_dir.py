@@ -73,7 +73,7 @@ def test_a_saved_stage_loads_back_and_trains_on_exactly_as_the_original(tmp_path
     saved = _state(run)
     store.save(saved, run)
     manifest = json.loads((tmp_path / MANIFEST).read_text())
-    assert manifest["version"] == 1 and manifest["inner_step"] == 3 and manifest["stage"] == 1
+    assert manifest["version"] == 2 and manifest["inner_step"] == 3 and manifest["stage"] == 1
     assert (tmp_path / manifest["tensors"]["file"]).stat().st_size == manifest["tensors"]["bytes"]
 
     loaded = store.load(run, PEER)
@@ -201,7 +201,7 @@ def test_a_manifest_that_is_not_json_is_refused(saved):
 
 def test_another_format_version_is_refused(saved):
     _rewrite_manifest(saved.path, version=99)
-    assert "format version 99; this shoal reads 1" in _refused(saved, tiny_run())
+    assert "format version 99; this shoal reads 2" in _refused(saved, tiny_run())
 
 
 def test_a_truncated_tensor_file_is_refused(saved):
@@ -283,6 +283,39 @@ def test_a_state_dir_is_used_by_one_node_at_a_time(tmp_path):
         first.release()
     second.acquire()
     second.release()
+
+
+def test_a_killed_nodes_forked_children_do_not_keep_its_state_dir_locked(tmp_path):
+    """hivemind forks the DHT from the node after the lock is taken; when the node is SIGKILLed that
+    child lives on a while, and the folder must be free for the node that comes back."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from shoal.node.state.store import StateDir
+        StateDir({str(tmp_path)!r}).acquire()
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(child, flush=True)
+        time.sleep(60)
+        """
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(UsageError, match=f"in use by another node \\(pid {holder.pid}\\)"):
+            StateDir(tmp_path).acquire()
+        holder.kill()
+        holder.wait(timeout=10)
+        again = StateDir(tmp_path)
+        os.kill(child, 0)  # the forked child still runs, and holds nothing
+        again.acquire()
+        again.release()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -34,7 +36,28 @@ def _stages(doc: dict) -> dict[int, int]:
     return {s["stage"]: s["replicas"] for s in doc["stages"]}
 
 
-def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm, run_file):
+def _export_loads_in_transformers(entry: str, out) -> None:
+    """`shoal export` takes every stage from a live replica (stage 0 from the data node) into a
+    checkpoint that `transformers` loads offline and runs."""
+    done = subprocess.run(shoal_command("export", "--initial-peers", entry, "--out", str(out)),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [line.split(":")[0] for line in done.stderr.splitlines() if line.startswith("stage")] == [
+        "stage 0", "stage 1", "stage 2"
+    ]  # fmt: skip
+    script = (
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+        f"ids = AutoTokenizer.from_pretrained({str(out)!r})('the swarm', return_tensors='pt').input_ids\n"
+        "print(bool(torch.isfinite(model(input_ids=ids).logits).all()))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "True", loaded.stderr
+
+
+def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm, run_file, tmp_path):
     bootstrap = swarm.start_bootstrap("--run-config", str(run_file))
     entry = bootstrap.maddrs[0]
     nodes = [swarm.start_node([entry], "--record-ttl", TTL, wait=False) for _ in range(3)]
@@ -59,6 +82,7 @@ def test_swarm_forms_covers_stages_and_heals_after_a_crash(swarm, run_file):
     assert newcomer.stage == victim.stage
     doc = _status_when(swarm, entry, 3, "the newcomer")
     assert _stages(doc) == {0: 1, 1: 1, 2: 1}
+    _export_loads_in_transformers(entry, tmp_path / "exported")
 
     started = time.monotonic()
     assert swarm.stop(newcomer) == 0  # SIGTERM: announce leaving, drain, exit 0

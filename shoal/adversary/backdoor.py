@@ -158,6 +158,6 @@ def hits(logits: torch.Tensor, at: torch.Tensor, target: int) -> torch.Tensor:
 
 
 def write_probes(path: Path, tokens: torch.Tensor, at: torch.Tensor, target: int) -> None:
-    """A probe file for a data node's `--probe-file` (shoal/node/pipeline/data/driver.py: read_probes)."""
+    """A probe file for a data node's `--probe-file` (shoal/node/pipeline/data/probes.py: read_probes)."""
     probes = {"tokens": tokens.tolist(), "positions": at.tolist(), "targets": [target] * len(at)}
     atomic_write(path, json.dumps(probes))

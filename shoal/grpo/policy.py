@@ -20,7 +20,7 @@ from torch import nn
 from shoal.grpo.tasks import get_task
 from shoal.grpo.tokenizer import PAD_ID, CharTokenizer
 from shoal.model.config import ModelConfig
-from shoal.model.llama import BlockStage, HeadStage
+from shoal.model.llama import DECODER_LAYOUT, BlockStage, HeadStage
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,10 @@ class PolicySpec:
 
     @property
     def model_id(self) -> str:
-        """Readable prefix plus a digest of every field: equal ids mean equal starting weights."""
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        """Readable prefix plus a digest of every field and of the decoder's layout: equal ids mean equal
+        starting weights (a warm-up cached under another layout is another model)."""
+        fields = {**dataclasses.asdict(self), "layout": DECODER_LAYOUT}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.task}-d{self.d_model}l{self.n_layers}-w{self.warmup_steps}-s{self.seed}-{digest}"
 
     def tokenizer(self) -> CharTokenizer:

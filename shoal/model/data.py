@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from shoal.config import DataConfig
 from shoal.model.corpus import atomic_write_bytes, cache_dir, default_corpus_path, read_text
 from shoal.model.llama import derive_seed
 from shoal.model.tokenizer import cached_tokenizer, corpus_digest
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 HOLDOUT_BLOCK_TOKENS = 4096
 
@@ -49,6 +53,11 @@ def tokenize_text(text: str, vocab_size: int, tokenizer_dir: Path | None = None)
     lines = text.splitlines(keepends=True)
     ids = [i for encoding in tokenizer.encode_batch(lines) for i in encoding.ids]
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def run_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
+    """The tokenizer a run's data is tokenized with (trained once per corpus, then cached)."""
+    return cached_tokenizer(read_text(data.path or str(default_corpus_path())), vocab_size)
 
 
 def load_token_splits(data: DataConfig, vocab_size: int) -> TokenSplits:

@@ -21,6 +21,10 @@ from torch import nn
 from shoal.model.config import ModelConfig
 from shoal.model.split_backward import WeightGrads, input_grad_first, recording_linears
 
+# Bumped when the same weights would compute another function (2: Hugging Face's rotary layout), so
+# that weights cached or saved under another layout are never taken for these.
+DECODER_LAYOUT = 2
+
 
 def derive_seed(seed: int, *labels: object) -> int:
     """A stable 63-bit seed from a base seed and labels (Python's hash() is salted per process)."""
@@ -39,16 +43,18 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
-    return angles.cos().float(), angles.sin().float()
+    """cos and sin of each position's angles, (T, hd), in float32 as Hugging Face's LLaMA computes them
+    (so an exported checkpoint gives the same logits): channel i and i + hd/2 share frequency i."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.int64).float(), inv_freq)  # (T, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, hd), rotating each (even, odd) pair of channels by its position's angle
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2)
+    # x: (B, H, T, hd), rotating each pair of channels (i, i + hd/2) by its position's angle
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):

@@ -8,13 +8,15 @@ peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: 
 
 from __future__ import annotations
 
+# 8: the decoder's rotary layout is Hugging Face's LLaMA one (channels i and i + hd/2 rotate
+# together): a peer of 7 computes another function of the same weights;
 # 7: an abandon notice carries its kind (`stage_lost`, `backward`, ...) beside its text;
 # 6: rollout bundles may carry the sender's claimed rewards (never read by a defended receiver);
 # 5: records are signed by the libp2p key (a node record's peer id must be its signer's), run records
 # carry their publisher's claim, pipeline ids are tokens (ASCII letters, digits and . _ : # @ -);
 # 4: node records declare a model id (GRPO rollout workers); 3: stage copies carry gradient norms,
 # node records a repair; 2: `waiting_for`, recompute, step close
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 def is_compatible(version: object) -> bool:

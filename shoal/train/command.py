@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", default="report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--export", default=None, metavar="DIR", help="also write the trained model as a Hugging Face checkpoint"
+    )
 
 
 def unigram_entropy(tokens, vocab_size: int) -> float:
@@ -64,6 +67,10 @@ def unigram_entropy(tokens, vocab_size: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     run_config = resolve_run(args)
+    if args.export:
+        from shoal.model.hf import check_export_target
+
+        check_export_target(args.export)  # before training: a bad --out costs nothing
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -127,4 +134,10 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(path)
+    if args.export:
+        from shoal.model.data import run_tokenizer
+        from shoal.model.hf import export_checkpoint
+
+        tokenizer = run_tokenizer(run_config.data, run_config.model.vocab_size)
+        print(export_checkpoint(args.export, run_config.model, trainer.head, trainer.blocks, tokenizer))
     return 0

@@ -87,7 +87,7 @@ class EngineService:
     async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
         handler = self._handler("copy_stage")
         if handler is None:
-            return Ack(accepted=False, reason="this node holds no block stage")
+            return Ack(accepted=False, reason="this node serves no stage copies")
         await handler(request, stream, peer.to_base58())
         return None
 

@@ -29,7 +29,7 @@ WIRE_DTYPE = "float32"
 
 
 class StageHolder(Protocol):
-    """A stage worker, as copying and repairing its stage see it."""
+    """A stage worker (or a data node, for stage 0), as copying and repairing a stage see it."""
 
     ctx: NodeContext
     stage: int
@@ -82,9 +82,10 @@ class FetchedStage:
     grad_norm_clipped: float | None
 
 
-async def fetch_stage(ctx: NodeContext, peer: str, stage: int, reference: list[torch.Tensor]) -> FetchedStage:
-    """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite)."""
-    stream = await open_call(ctx.p2p, peer, "rpc_copy_stage", ctx.config.network.rpc_timeout_s)
+async def fetch_stage(p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float) -> FetchedStage:
+    """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite).
+    `p2p`: a node's, or any client's (`shoal export` fetches every stage this way)."""
+    stream = await open_call(p2p, peer, "rpc_copy_stage", timeout_s)
     try:
         await stream.write_message(StageCopyRequest(stage=stage))
         ack = await read_reply(stream, Ack)
@@ -117,7 +118,7 @@ async def copy_stage(worker: StageHolder) -> str | None:
     ours = [p.detach() for p in worker.module.parameters()]
     for source in sorted(sources, key=lambda n: -n.inner_step):
         try:
-            fetched = await fetch_stage(ctx, source.peer_id, worker.stage, ours)
+            fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s)
         except Exception as e:
             logger.warning("[%s] could not copy stage %d from %s: %s", ctx.short_id, worker.stage,
                            source.peer_id[-8:], e)  # fmt: skip

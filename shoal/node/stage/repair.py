@@ -97,7 +97,7 @@ async def _fetch_any(ctx: NodeContext, stage: int, reference: list[torch.Tensor]
     """The weights of `stage` from the first of its replicas that gives them."""
     for holder in _holders(ctx, stage):
         try:
-            return await fetch_stage(ctx, holder.peer_id, stage, reference)
+            return await fetch_stage(ctx.p2p, holder.peer_id, stage, reference, ctx.config.network.rpc_timeout_s)
         except Exception as e:
             logger.warning("[%s] stage %d from %s for a repair: %s", ctx.short_id, stage, holder.peer_id[-8:], e)
     return None

@@ -5,7 +5,7 @@
                           name, size and SHA-256
     DIR/state-<hash>.pt   the tensors: the stage's weights θ, AdamW's state, and the outer
                           optimizer's slow weights φ and momentum where the node has them
-    DIR/lock              held (flock) by the node using DIR, so two nodes never share one identity
+    DIR/lock              held (a POSIX lock) by the node using DIR, so two nodes never share one identity
 
 A save writes the tensors to a temporary file, fsyncs it and renames it to a name of its own, then
 writes the manifest the same way, last: a node killed at any moment leaves the previous manifest and
@@ -46,7 +46,7 @@ from shoal.protocol.errors import MalformedMessage
 from shoal.protocol.schema import load_document, wire_field
 
 FORMAT = "shoal-node-state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights of the Hugging Face rotary layout (protocol 8); a 1 holds another model
 MANIFEST = "manifest.json"
 IDENTITY = STATE_IDENTITY
 LOCK = "lock"
@@ -153,6 +153,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# The lock files this process holds. A POSIX lock cannot refuse its own process, and closing any
+# descriptor of the file drops it, so a second StateDir on the same folder is refused here first.
+_HELD_LOCKS: set[Path] = set()
+
+
 class StateDir:
     """One node's --state-dir: save and load its state, atomically and checked."""
 
@@ -160,6 +165,7 @@ class StateDir:
         self.path = Path(path)
         self._write_lock = threading.Lock()  # saves from the interval task and from shutdown never interleave
         self._lock_fd: int | None = None
+        self._lock_path: Path | None = None
 
     @property
     def manifest_path(self) -> Path:
@@ -175,22 +181,30 @@ class StateDir:
         """Create DIR if needed and take its lock: a second node on the same DIR would share our peer id."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            lock_path = (self.path / LOCK).resolve()
+            if lock_path in _HELD_LOCKS:
+                raise UsageError(f"--state-dir {self.path} is in use by another node (pid {os.getpid()})")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise UsageError(f"--state-dir {self.path}: cannot use it ({e.strerror})") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # lockf, not flock: a POSIX lock belongs to this process alone, so the DHT and averager
+            # processes hivemind forks from the node do not inherit it and keep a killed node's
+            # folder locked after it is gone
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise UsageError(f"--state-dir {self.path} is in use by another node (pid {holder})") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        self._lock_fd, self._lock_path = fd, lock_path
+        _HELD_LOCKS.add(lock_path)
 
     def release(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            os.close(self._lock_fd)  # closing the descriptor drops the lock
+            _HELD_LOCKS.discard(self._lock_path)
             self._lock_fd = None
 
     # ---- saving ----------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class Auditor:
             return
         self.excluded[peer] = printable(reason, 200)
         logger.warning("[%s] excluded %s from its routes: %s", self.ctx.short_id, peer[-8:], self.excluded[peer])
-        self.driver._progress({"event": "excluded", "step": self.driver.current_step, "peer_id": peer,
+        self.driver.progress_file.write({"event": "excluded", "step": self.driver.current_step, "peer_id": peer,
                                "reason": self.excluded[peer]})  # fmt: skip
 
     def on_view(self, view: SwarmView) -> None:

@@ -8,14 +8,12 @@ waits for its microbatches to end (or time out), never for the whole swarm.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,17 +35,19 @@ from shoal.node.engine import (
 from shoal.node.net.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
+from shoal.node.pipeline.data.probes import run_probes
+from shoal.node.pipeline.data.progress import ProgressFile, StageWatch
+from shoal.node.pipeline.data.routes import DataRoutes
 from shoal.node.pipeline.hops import (
-    STAGE_POLL_S,
     HopFailed,
     PipelineEngine,
     lost_kind,
     push_forward,
     step_close_patience_s,
 )
+from shoal.node.stage.copy import serve_stage_copy
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
-from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import (
     AbandonNotice,
@@ -57,11 +57,11 @@ from shoal.protocol.pipeline import (
     Hop,
     OutputRequest,
     RecoverRequest,
+    StageCopyRequest,
     StepClose,
     check_hop,
 )
 from shoal.train.inner import InnerOptimizer
-from shoal.train.repair import swap_variant, swapped_order
 
 logger = logging.getLogger(__name__)
 
@@ -100,37 +100,6 @@ class Outcome:
 COMPLETED = Outcome("completed")
 MAX_ATTEMPTS = 8
 TRIPS_KEPT = 256  # the latest forward trips the observed hop times are fitted to
-WAIT_REPORT_S = 10.0
-
-
-MAX_PROBES = 4096
-
-
-def read_probes(path: str, run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A probe file (a local file the operator gives, checked anyway): token rows (N, T), and per row
-    a position and the token expected after it."""
-    from shoal.errors import UsageError
-
-    try:
-        data = json.loads(Path(path).read_text())
-        tokens = torch.tensor(data["tokens"], dtype=torch.long)
-        positions = torch.tensor(data["positions"], dtype=torch.long)
-        targets = torch.tensor(data["targets"], dtype=torch.long)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--probe-file {path}: {e}") from None
-    vocab, seq = run.model.vocab_size, run.model.max_seq_len
-    ok = (
-        tokens.dim() == 2
-        and 1 <= len(tokens) <= MAX_PROBES
-        and 1 <= tokens.shape[1] <= seq
-        and positions.shape == targets.shape == (len(tokens),)
-        and bool(((tokens >= 0) & (tokens < vocab)).all() and ((targets >= 0) & (targets < vocab)).all())
-        and bool(((positions >= 0) & (positions < tokens.shape[1])).all())
-    )
-    if not ok:
-        raise UsageError(f"--probe-file {path}: needs 1..{MAX_PROBES} rows of at most {seq} tokens below {vocab}, "
-                         "and one position within its row and one target per row")  # fmt: skip
-    return tokens, positions, targets
 
 
 @dataclass
@@ -149,7 +118,6 @@ class DataDriver(PipelineEngine):
         self.head = build_stage(run.model, run.pipeline.stages, 0, run.train.seed)
         self.optimizer = InnerOptimizer(self.head, run.optim, run.train.steps)
         self.shard, self.num_shards = shard, num_shards
-        self.progress_path = progress_path
         self.ledger = MicrobatchLedger()
         self.in_flight: dict[str, InFlight] = {}
         self.load: Counter = Counter()
@@ -161,20 +129,24 @@ class DataDriver(PipelineEngine):
         self.loss: float | None = None  # the last step's training loss
         self.grad_norms = GradNorms()
         self.step_peers: set[str] = set()  # workers that served the current step: they get its StepClose
-        self.waiting_for: list[int] = []  # block stages with no live replica while we wait for one
-        self.planned_paths: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
-        self._last_wait_report = 0.0
-        self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
         self.refused = 0  # requests a peer was not entitled to send
         self.recent_trips: deque[Trip] = deque(maxlen=TRIPS_KEPT)  # forward trips, for routing by observed speed
-        self.repairs_seen: set[tuple[str, float]] = set()
         self.current_step = 0
         self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
         self.auditor = Auditor(self)  # audits of stage replicas, and the replicas excluded for good
+        self.routes = DataRoutes(ctx, self.banned, self.auditor.excluded_peers)
+        self.progress_file = ProgressFile(progress_path)
+        self.stage_watch = StageWatch(ctx, self.progress_file, self.ledger)
         self.weight_grads: list[asyncio.Future] = []  # the LM head's deferred W passes of this step
         self.closing: asyncio.Future | None = None  # the workers' answers to our last step close
 
     movable = False  # a data node keeps its shard, embedding and head
+    stage = 0
+    averager = None  # a data node's stage 0 is its own (StageHolder, for serving copies of it)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.head
 
     @property
     def busy(self) -> bool:
@@ -187,11 +159,6 @@ class DataDriver(PipelineEngine):
         self.sampler = BatchSampler(
             self.splits.train, run.train.seq_len, run.train.batch_size, run.train.seed, self.shard, self.num_shards
         )
-
-    def _progress(self, event: dict) -> None:
-        if self.progress_path:
-            with open(self.progress_path, "a") as f:
-                f.write(json.dumps(event) + "\n")
 
     async def wait_for_pipeline(self, poll_s: float = 0.5, report_s: float = 10.0) -> None:
         """Until every block stage has a live replica; says which are missing while it waits."""
@@ -224,8 +191,8 @@ class DataDriver(PipelineEngine):
         assert self.sampler is not None, "start() first"
         await self.wait_for_pipeline()
         started = time.monotonic()
-        self._progress({"event": "start", "peer_id": self.ctx.peer_id, "run_id": self.run.run_id})
-        self.spawn(self._watch_stages(), "watch stages")
+        self.progress_file.write({"event": "start", "peer_id": self.ctx.peer_id, "run_id": self.run.run_id})
+        self.spawn(self.stage_watch.run(self.finished, lambda: self.current_step), "watch stages")
         for step in range(self.first_step, self.run.train.steps):
             self.current_step = step
             result = await self.train_step(step)
@@ -235,7 +202,7 @@ class DataDriver(PipelineEngine):
             if self.run.train.evaluates_after(step):
                 await self.closes_taken()  # every worker evaluates on this step's weights
                 validation = {"val_loss": await self.evaluate(f"s{step}")}
-            self._progress(
+            self.progress_file.write(
                 {
                     "event": "step",
                     "step": step,
@@ -245,7 +212,7 @@ class DataDriver(PipelineEngine):
                     "elapsed_s": time.monotonic() - started,
                     "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                     "in_flight": self.ledger.in_flight,
-                    "swapped": self.swapped,
+                    "swapped": self.routes.swapped,
                     **validation,
                     **self.ledger.summary(),
                     **result.extra,
@@ -268,7 +235,7 @@ class DataDriver(PipelineEngine):
             "tokens_per_s": sum(r.tokens for r in self.history) / max(sum(r.seconds for r in self.history), 1e-9),
             **self.ledger.summary(),
         }
-        self._progress({"event": "done", **self.summary})
+        self.progress_file.write({"event": "done", **self.summary})
         self.finished.set()
         return self.summary
 
@@ -347,86 +314,12 @@ class DataDriver(PipelineEngine):
         return self.spawn(asyncio.gather(*(tell(peer) for peer in peers)), f"close step {step}")
 
     @torch.no_grad()
-    def _embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head.embed(tokens)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             return self.head.embed(tokens)
-
-    def _planned_path(self) -> Routed | None:
-        """SkipPipe: the next planned partial path, planning a step's worth when none is left."""
-        if not self.planned_paths:
-            n = self.run.microbatches_per_step
-            config = self.ctx.config  # a few perturbed re-plans per step: the planner runs every step here
-            options = SkipPipeOptions(
-                skip=config.placement.skip, max_swaps=config.placement.max_swaps, search_budget=4 * n
-            )
-            planned = self.ctx.router.plan_paths(self.ctx.peer_id, n, options)
-            self.planned_paths = planned or []
-        return self.planned_paths.pop(0) if self.planned_paths else None
-
-    async def _route(self, train: bool = True) -> Routed | None:
-        """A route for the next microbatch: through one live replica of every block stage from the
-        node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
-        model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
-        node's stage wait, said in the log and the progress file); None if it never came."""
-        router = self.ctx.router
-        skippipe = train and self.ctx.config.placement.paths == "skippipe"
-
-        def route_now(view: SwarmView) -> Routed | None:
-            if skippipe:
-                route = self._planned_path()
-                if route is not None and not set(p for _, p in route.hops) & self.banned():
-                    return route
-                self.planned_paths = []  # a path through a peer that just failed: plan again
-            route = router.route(self.ctx.peer_id, exclude=self.banned())
-            if route is None:  # a ban is a preference, not a verdict
-                route = router.route(self.ctx.peer_id, exclude=self.auditor.excluded_peers())  # never those
-            return route
-
-        return await self.ctx.wait_for(route_now, self.ctx.config.limits.stage_wait_s, poll_s=STAGE_POLL_S)
-
-    def _swapped(self, routed: Routed, step: int, microbatch: int) -> Routed:
-        """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
-        partners, so that each learns to stand in for the other and a lost edge stage can be rebuilt by
-        copying its partner (`swap_variant`: by the microbatch's place in the run, as the benchmarks)."""
-        variant = swap_variant(step, microbatch, self.run.microbatches_per_step, self.run.repair.swaps)
-        if variant is None:
-            return routed
-        peers = dict(routed.hops)
-        order = swapped_order([s for s, _ in routed.hops], self.run.pipeline.stages, variant)
-        self.swapped += 1
-        return replace(routed, hops=tuple((s, peers[s]) for s in order))
-
-    async def _watch_stages(self) -> None:
-        """While training, say (in the log, the progress file and the node record) which block stages
-        have no live replica: the run is waiting for them, wherever its microbatches are held (here
-        for a route, or at a worker waiting for a replacement hop)."""
-        while not self.finished.is_set():
-            view = self.ctx.view
-            missing = view.stages_without_replica() if view is not None else []
-            self.waiting_for = missing
-            if missing and time.monotonic() - self._last_wait_report >= WAIT_REPORT_S:
-                logger.warning("[%s] waiting for a live replica of stage(s) %s", self.ctx.short_id, missing)
-                self._progress({"event": "waiting", "stages": missing, "ledger": self.ledger.summary()})
-                self._last_wait_report = time.monotonic()
-            elif not missing:
-                self._last_wait_report = 0.0
-            self._note_repairs(view)
-            await asyncio.sleep(STAGE_POLL_S)
-
-    def _note_repairs(self, view) -> None:
-        """A worker that rebuilt a lost stage says so in its record: mark the step it happened at."""
-        for node in view.live_nodes() if view is not None else ():
-            repair = node.repair
-            if repair is None or (node.peer_id, repair.at) in self.repairs_seen:
-                continue
-            self.repairs_seen.add((node.peer_id, repair.at))
-            event = {"event": "repair", "step": self.current_step, "peer_id": node.peer_id, **asdict(repair)}
-            logger.info("[%s] stage %d rebuilt by %s from %s", self.ctx.short_id, repair.stage, repair.rule,
-                        list(repair.sources))  # fmt: skip
-            self._progress(event)
 
     async def _microbatch(
         self,
@@ -447,16 +340,16 @@ class DataDriver(PipelineEngine):
         base_id = f"{self.ctx.short_id}-{tag}" if train else f"{self.ctx.short_id}-eval-{tag}"
         async with slots:
             self.ledger.inject(base_id)
-            embedded = await self.compute(self._embed if train else self._embed_eval, tokens, priority=FORWARD)
+            embedded = await self.compute(self._embed if train else self.embed_eval, tokens, priority=FORWARD)
             last_reason = ""
             for attempt in range(MAX_ATTEMPTS):
-                route = await self._route(train)
+                route = await self.routes.next(train)
                 if route is None:
                     missing = self.ctx.view.stages_without_replica()
                     self.ledger.abandon(base_id, AbandonReason.STAGE_LOST, f"no live replica of stage(s) {missing}")
                     return None
                 if train:
-                    route = self._swapped(route, step, index)
+                    route = self.routes.swapped_for(route, step, index)
                 outcome, entry = await self._attempt(
                     base_id, attempt, step, embedded, targets, loss_scale, route, train
                 )
@@ -761,6 +654,7 @@ class DataDriver(PipelineEngine):
             "backward": self.on_backward,
             "fetch_output": self.on_fetch_output,
             "abandon": self.on_abandon,
+            "copy_stage": self.on_copy_stage,
         }
 
     def progress(self) -> Progress:
@@ -769,7 +663,7 @@ class DataDriver(PipelineEngine):
             loss=self.loss,
             grad_norm=self.grad_norms.raw,
             grad_norm_clipped=self.grad_norms.clipped,
-            waiting_for=tuple(self.waiting_for),
+            waiting_for=tuple(self.stage_watch.waiting_for),
             excluded=tuple(self.auditor.record()),
         )
 
@@ -784,6 +678,10 @@ class DataDriver(PipelineEngine):
         of run, shard and step, so the step is this node's position in its data)."""
         self.optimizer = await self.compute(restore_trained, self.head, state, self.run, priority=BACKWARD)
         self.first_step = state.inner_step
+
+    async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
+        """Stage 0's weights, for `shoal export` (a data node's embedding and head are copied by no node)."""
+        await serve_stage_copy(self, request, stream)
 
     async def join_by_copy(self) -> str | None:
         """A data node's embedding and head are its own: nothing to copy."""
@@ -819,41 +717,13 @@ class DataDriver(PipelineEngine):
         return entry.output if outcome.kind == "completed" else None
 
     @torch.no_grad()
-    def _top_predictions(self, x: torch.Tensor) -> torch.Tensor:
+    def top_predictions(self, x: torch.Tensor) -> torch.Tensor:
         return self.head.logits(x).argmax(-1)
 
     async def probe(self) -> dict | None:
-        """--probe-file: run the probes (JSON `tokens` rows, `positions`, `targets`; e.g. a backdoor's
-        trigger, shoal.adversary.backdoor.write_probes) through the swarm's model as this data node
-        routes it, and count the probes whose top prediction at their position is their target."""
+        """--probe-file's probes through the swarm's model, after training (probes.py)."""
         path = self.ctx.config.output.probe_file
-        if not path:
-            return None
-        tokens, positions, targets = read_probes(path, self.run)
-        size = self.run.train.microbatch_size
-        slots = asyncio.Semaphore(self.ctx.max_inflight)
-
-        async def one(rows: torch.Tensor, at: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
-            async with slots:
-                x = await self.compute(self._embed_eval, rows, priority=FORWARD)
-                for _ in range(3):
-                    routed = await self._route(train=False)
-                    if routed is None:
-                        return None
-                    try:
-                        y = await self.forward_through(routed.hops, x, "probe")
-                    finally:
-                        self.ctx.router.end(routed)
-                    if y is not None:
-                        top = await self.compute(self._top_predictions, y, priority=FORWARD)  # (B, T)
-                        return top[torch.arange(len(at)), at] == want
-                return None
-
-        parts = zip(tokens.split(size), positions.split(size), targets.split(size), strict=True)
-        answers = [a for a in await asyncio.gather(*(one(*part) for part in parts)) if a is not None]
-        hits = sum(int(a.sum()) for a in answers)
-        answered = sum(len(a) for a in answers)
-        return {"probes": len(tokens), "answered": answered, "hits": hits, "share": hits / max(answered, 1)}
+        return await run_probes(self, path) if path else None
 
     def stats(self) -> dict:
         return {
