@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -20,6 +21,11 @@ from shoal.protocol.errors import MalformedMessage
 from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL = ModelConfig()
+# ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults
+IMPORTED_MODEL_FIELDS = ("n_kv_heads", "qkv_bias", "tie_embeddings", "checkpoint", "tokenizer")
+SET_WITH_FROM = ("max_seq_len",)  # the one model field a run config may give beside `from`
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ConfigError(ValueError):
@@ -198,6 +204,9 @@ class RunConfig:
         if self.defense == PipelineDefenseConfig():
             del data["defense"]
         del data["train"]["eval_every"]
+        for key in IMPORTED_MODEL_FIELDS:  # at their defaults: the run ids from before they existed
+            if data["model"][key] == getattr(DEFAULT_MODEL, key):
+                del data["model"][key]
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,6 +303,18 @@ def _validate(cfg: RunConfig) -> None:
     need(m.rope_theta > 0, "model.rope_theta", "must be positive")
     need(m.norm_eps > 0, "model.norm_eps", "must be positive")
     need(m.init_std > 0, "model.init_std", "must be positive")
+    need(
+        m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
+        "model.n_kv_heads",
+        f"must divide model.n_heads ({m.n_heads}), or be 0 for as many, got {m.n_kv_heads}",
+    )
+    for where, digest in (("model.checkpoint", m.checkpoint), ("model.tokenizer", m.tokenizer)):
+        need(not digest or DIGEST.fullmatch(digest) is not None, where, "must be a SHA-256 in hex, or empty")
+    need(
+        bool(m.checkpoint) == bool(m.tokenizer),
+        "model.tokenizer",
+        "a run that starts from a checkpoint uses its tokenizer: give both digests or neither",
+    )
     need(p.stages >= 2, "pipeline.stages", f"needs stage 0 and at least one block stage, got {p.stages}")
     need(
         p.stages - 1 <= m.n_layers,
@@ -386,19 +407,66 @@ def bundled_runs() -> list[str]:
     )
 
 
-def load_run_config(name_or_path: str) -> RunConfig:
-    """A bundled run by name (`tiny`) or a TOML file path."""
+@dataclass(frozen=True)
+class RunSource:
+    """A run as this machine read it: the config every peer shares, and the folder here that holds
+    the checkpoint it starts from, where its file names one (`[model] from`). The folder never goes
+    into the config: the run id hashes the checkpoint's digest, so the same files anywhere are one run."""
+
+    config: RunConfig
+    checkpoint_dir: Path | None = None
+
+
+def _import_checkpoint(data: dict[str, Any], base: Path) -> Path | None:
+    """`[model] from = "DIR"`: the model section becomes the checkpoint's architecture and digests
+    (shoal/model/checkpoint.py); only `max_seq_len` may be given beside it, to train shorter."""
+    model = data.get("model")
+    if not isinstance(model, dict) or "from" not in model:
+        return None
+    source = model.pop("from")
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError("model.from", "must be the path of a checkpoint folder")
+    given = sorted(set(model) - set(SET_WITH_FROM))
+    if given:
+        raise ConfigError(f"model.{given[0]}", "comes from the checkpoint (model.from); remove it")
+    max_seq_len = model.get("max_seq_len")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)):
+        raise ConfigError("model.max_seq_len", f"must be an integer, got {max_seq_len!r}")
+    from shoal.model.checkpoint import CheckpointError, read_checkpoint
+
+    path = Path(source).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        checkpoint = read_checkpoint(path, max_seq_len)
+    except CheckpointError as e:
+        raise ConfigError("model.from", str(e)) from None
+    data["model"] = dataclasses.asdict(checkpoint.model)
+    return path
+
+
+def load_run_source(name_or_path: str) -> RunSource:
+    """A bundled run by name (`tiny`) or a TOML file path, with the checkpoint folder its file names."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         try:
             text = path.read_text()
         except OSError as e:
             raise ConfigError("", f"cannot read run config {name_or_path}: {e.strerror}") from None
-        return parse_run_config(text, source=str(path))
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("", f"{path}: not valid TOML ({e})") from None
+        checkpoint_dir = _import_checkpoint(data, path.parent)
+        return RunSource(run_config_from_dict(data), checkpoint_dir)
     if name_or_path not in bundled_runs():
         raise ConfigError("", f"no bundled run named {name_or_path!r} (bundled: {', '.join(bundled_runs())})")
     text = resources.files("shoal.runs").joinpath(f"{name_or_path}.toml").read_text()
-    return parse_run_config(text, source=name_or_path)
+    return RunSource(parse_run_config(text, source=name_or_path))
+
+
+def load_run_config(name_or_path: str) -> RunConfig:
+    """A bundled run by name (`tiny`) or a TOML file path."""
+    return load_run_source(name_or_path).config
 
 
 DEFAULT_RUN = "tiny"

@@ -66,7 +66,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_t
 
 def test_every_weight_is_exported_once_and_qkv_splits_into_three(tmp_path):
     run, trainer = _trained(tmp_path, steps=1)
-    tensors = hf_tensors(trainer.head, trainer.blocks)
+    tensors = hf_tensors(run.model, trainer.head, trainer.blocks)
     params = sum(p.numel() for m in (trainer.head, *trainer.blocks) for p in m.parameters())
     assert sum(t.numel() for t in tensors.values()) == params
     qkv = trainer.blocks[0].blocks[0].attn.qkv.weight

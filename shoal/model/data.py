@@ -49,26 +49,44 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
 
 
 def tokenize_text(text: str, vocab_size: int, tokenizer_dir: Path | None = None) -> torch.Tensor:
-    tokenizer = cached_tokenizer(text, vocab_size, tokenizer_dir)
+    return encode_lines(cached_tokenizer(text, vocab_size, tokenizer_dir), text)
+
+
+def encode_lines(tokenizer: Tokenizer, text: str) -> torch.Tensor:
+    """The text's token ids, line by line, with no special tokens (a checkpoint's tokenizer would
+    otherwise start every line with its BOS)."""
     lines = text.splitlines(keepends=True)
-    ids = [i for encoding in tokenizer.encode_batch(lines) for i in encoding.ids]
+    ids = [i for encoding in tokenizer.encode_batch(lines, add_special_tokens=False) for i in encoding.ids]
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def run_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
-    """The tokenizer a run's data is tokenized with (trained once per corpus, then cached)."""
+def run_tokenizer(data: DataConfig, vocab_size: int, tokenizer_file: Path | None = None) -> Tokenizer:
+    """The tokenizer a run's data is tokenized with: the checkpoint's `tokenizer.json` for a run
+    imported from one, else a BPE trained once per corpus and cached."""
+    if tokenizer_file is not None:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tokenizer_file))
     return cached_tokenizer(read_text(data.path or str(default_corpus_path())), vocab_size)
 
 
-def load_token_splits(data: DataConfig, vocab_size: int) -> TokenSplits:
-    """Tokens of the configured corpus (default: the Debian texts), cached next to the tokenizer."""
+def load_token_splits(data: DataConfig, vocab_size: int, tokenizer_file: Path | None = None) -> TokenSplits:
+    """Tokens of the configured corpus (default: the Debian texts), cached next to the tokenizer;
+    `tokenizer_file`: the run's checkpoint's tokenizer (see `run_tokenizer`)."""
     source = data.path or str(default_corpus_path())
     text = read_text(source)
-    cache = cache_dir() / f"tokens-{corpus_digest(text)}-{vocab_size}.npy"
+    if tokenizer_file is None:
+        cache = cache_dir() / f"tokens-{corpus_digest(text)}-{vocab_size}.npy"
+    else:
+        tokenizer_id = corpus_digest(Path(tokenizer_file).read_text(encoding="utf-8"))
+        cache = cache_dir() / f"tokens-{corpus_digest(text)}-hf{tokenizer_id}-{vocab_size}.npy"
     if cache.exists():
         tokens = torch.from_numpy(np.load(cache).astype(np.int64))
     else:
-        tokens = tokenize_text(text, vocab_size)
+        if tokenizer_file is None:
+            tokens = tokenize_text(text, vocab_size)
+        else:
+            tokens = encode_lines(run_tokenizer(data, vocab_size, tokenizer_file), text)
         dtype = np.uint16 if vocab_size <= 65536 else np.int32
         tmp = cache.with_name(cache.name + ".tmp.npy")
         np.save(tmp, tokens.numpy().astype(dtype))

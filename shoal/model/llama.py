@@ -58,18 +58,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions; `n_kv_heads` < `n_heads` is grouped-query
+    attention (each key/value head serves n_heads / n_kv_heads query heads)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.qkv_bias)  # rows [q; k; v]
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)
-        q, k, v = (z.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        kv = self.kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((C, kv, kv), dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (z.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2) for z in (k, v))
         q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        grouped = self.kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, H, T, hd)
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -104,6 +110,8 @@ def _init_block(block: Block, cfg: ModelConfig, generator: torch.Generator) -> N
         for name, param in block.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
             elif name in ("attn.out.weight", "mlp.down.weight"):
                 param.normal_(0.0, residual_std, generator=generator)
             else:
@@ -144,7 +152,10 @@ class HeadStage(nn.Module):
         generator = torch.Generator().manual_seed(derive_seed(seed, "head"))
         with torch.no_grad():
             self.embedding.weight.normal_(0.0, cfg.init_std, generator=generator)
-            self.lm_head.weight.normal_(0.0, cfg.init_std, generator=generator)
+            if cfg.tie_embeddings:
+                self.lm_head.weight = self.embedding.weight  # one parameter, used on the way in and out
+            else:
+                self.lm_head.weight.normal_(0.0, cfg.init_std, generator=generator)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens)  # (B, T) -> (B, T, C)

@@ -96,6 +96,12 @@ class RunChoice:
     data_path: str | None = option(
         None, "text file or folder (data nodes)", flag="--data", metavar="PATH"
     )  # overrides the run's data.path for this node
+    checkpoint_dir: str | None = option(
+        None,
+        "the checkpoint the run starts from, on this machine (runs imported from one)",
+        flag="--checkpoint",
+        metavar="DIR",
+    )  # verified against the run's digests; without it a worker copies its stage from a live replica
 
     def __post_init__(self) -> None:
         _need(not (self.run_name and self.run_config_path), "--run", "give --run or --run-config, not both")

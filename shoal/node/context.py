@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shoal.config import RunConfig
+from shoal.model.checkpoint import Checkpoint
 from shoal.node.config import NodeConfig
 from shoal.node.hooks import Hooks
 from shoal.node.net.links import LinkMonitor
@@ -38,6 +39,7 @@ class NodeContext:
     read_view: Callable[[], Awaitable[SwarmView]]  # a fresh view from the DHT (the node observes it)
     publish: Callable[[], Awaitable[Any]]  # publish the node's record now
     hooks: Hooks
+    checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
 
     @property
     def short_id(self) -> str:

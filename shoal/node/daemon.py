@@ -22,13 +22,14 @@ from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
-from shoal.config import RunConfig, load_run_config
+from shoal.config import RunConfig, load_run_config, load_run_source
 from shoal.dht.identity import load_identity
 from shoal.dht.records import MAX_RECORD_NUMBER
 from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.files import atomic_write
+from shoal.model.checkpoint import Checkpoint, verify
 from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
@@ -109,6 +110,19 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
     return run
 
 
+def run_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
+    """This machine's copy of the checkpoint the run starts from (--checkpoint, or the run file's
+    `[model] from`), verified against the run's digests; None where the run has none or it is not here."""
+    folder = config.run.checkpoint_dir
+    if not run.model.checkpoint:
+        if folder:
+            raise UsageError(f"--checkpoint: run {run.name} starts from no checkpoint")
+        return None
+    if folder is None and config.run.run_config_path:
+        folder = load_run_source(config.run.run_config_path).checkpoint_dir
+    return verify(folder, run.model) if folder is not None else None
+
+
 def run_cost_model(run: RunConfig) -> CostModel:
     """The planners' time model for this run: one microbatch's activation on the wire."""
     from shoal.protocol.tensors import DTYPE_SIZES
@@ -161,6 +175,7 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self._handlers: list[str] = []
         self._maddrs: list[str] = []
+        self.checkpoint: Checkpoint | None = None  # the run's checkpoint on this machine (run_checkpoint)
         self.keeper: StateKeeper | None = None  # --state-dir: saves this node's state, resumes from it
         self.restarts = RestartWatch()
         self.reachable: bool | None = None  # the reachability self-check's verdict (None: not checked yet)
@@ -192,7 +207,9 @@ class Node:
                 if run.mode == "grpo"
                 else await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
             )
+            checkpoint = await asyncio.get_running_loop().run_in_executor(None, run_checkpoint, run, config)
             node = cls(config, dht, run, throughput)
+            node.checkpoint = checkpoint
             node.keeper = keeper
             node.metrics = metrics = await serve_node_metrics(node)
             await node._start()
@@ -259,6 +276,7 @@ class Node:
             read_view=self.refresh_view,
             publish=self.publish,
             hooks=self.hooks,
+            checkpoint=self.checkpoint,
         )
 
     def progress(self) -> Progress:
@@ -468,9 +486,12 @@ class Node:
             resumed = await self._resume(worker)  # whose weights: our own saved ones, or a replica's copied
             source = self.peer_id if resumed else await worker.join_by_copy()  # before we announce ourselves active
             if source is None and await worker.repair_if_lost() is None:
+                if self.run.model.checkpoint and self.checkpoint is None:
+                    raise UsageError(f"run {self.run.name} starts from a checkpoint, and no live replica of stage "
+                                     f"{self.stage} gave its weights: give --checkpoint DIR")  # fmt: skip
                 if self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
-                    logger.warning("[%s] stage %d has replicas but none gave its weights: starting fresh",
-                                   self.short_id, self.stage)  # fmt: skip
+                    logger.warning("[%s] stage %d has replicas but none gave its weights: starting %s", self.short_id,
+                                   self.stage, "from the checkpoint" if self.checkpoint else "fresh")  # fmt: skip
             await worker.start()
 
     async def _resume(self, engine: Engine) -> bool:

@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Any
 
-from shoal.config import DEFAULT_RUN, ConfigError, RunConfig, load_run_config
+from shoal.config import DEFAULT_RUN, ConfigError, RunConfig, RunSource, load_run_source
 from shoal.errors import UsageError
 
 
@@ -24,9 +24,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_run(args: argparse.Namespace) -> RunConfig:
+    return resolve_run_source(args).config
+
+
+def resolve_run_source(args: argparse.Namespace) -> RunSource:
+    """The run the flags choose, with the overrides applied, and where its checkpoint is (if any)."""
     if args.run and args.run_config:
         raise UsageError("give --run or --run-config, not both")
-    run = load_run_config(args.run_config or args.run or DEFAULT_RUN)
+    source = load_run_source(args.run_config or args.run or DEFAULT_RUN)
+    return RunSource(_overridden(source.config, args), source.checkpoint_dir)
+
+
+def _overridden(run: RunConfig, args: argparse.Namespace) -> RunConfig:
     overrides: dict[str, Any] = {}
     if args.data is not None:
         overrides["data.path"] = args.data
@@ -66,7 +75,8 @@ def unigram_entropy(tokens, vocab_size: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_config = resolve_run(args)
+    source = resolve_run_source(args)
+    run_config = source.config
     if args.export:
         from shoal.model.hf import check_export_target
 
@@ -82,8 +92,14 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
-    splits = load_token_splits(run_config.data, run_config.model.vocab_size)
-    trainer = ReferenceTrainer(run_config, splits)
+    checkpoint = None
+    if source.checkpoint_dir is not None:
+        from shoal.model.checkpoint import verify
+
+        checkpoint = verify(source.checkpoint_dir, run_config.model)
+    tokenizer_file = checkpoint.tokenizer_file if checkpoint is not None else None
+    splits = load_token_splits(run_config.data, run_config.model.vocab_size, tokenizer_file)
+    trainer = ReferenceTrainer(run_config, splits, checkpoint)
     columns = [
         TextColumn("[bold]train"),
         BarColumn(),
@@ -138,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         from shoal.model.data import run_tokenizer
         from shoal.model.hf import export_checkpoint
 
-        tokenizer = run_tokenizer(run_config.data, run_config.model.vocab_size)
-        print(export_checkpoint(args.export, run_config.model, trainer.head, trainer.blocks, tokenizer))
+        tokenizer = run_tokenizer(run_config.data, run_config.model.vocab_size, tokenizer_file)
+        out = export_checkpoint(args.export, run_config.model, trainer.head, trainer.blocks, tokenizer,
+                                source=checkpoint.path if checkpoint is not None else None)  # fmt: skip
+        print(out)
     return 0

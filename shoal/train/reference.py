@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.config import RunConfig
+from shoal.model.checkpoint import Checkpoint
 from shoal.model.data import BatchSampler, TokenSplits, validation_batches
+from shoal.model.hf import load_stage_weights
 from shoal.model.stages import build_all_stages, forward_route
 from shoal.protocol.torch_tensors import TORCH_DTYPES
 from shoal.train.inner import InnerOptimizer
@@ -42,10 +44,16 @@ class TrainResult:
 
 
 class ReferenceTrainer:
-    def __init__(self, run: RunConfig, splits: TokenSplits):
+    def __init__(self, run: RunConfig, splits: TokenSplits, checkpoint: Checkpoint | None = None):
+        """`checkpoint`: the one a run imported from a checkpoint starts from (verified by the caller)."""
+        if run.model.checkpoint and checkpoint is None:
+            raise ValueError(f"run {run.name} starts from a checkpoint: pass it")
         self.run = run
         self.splits = splits
         self.head, self.blocks = build_all_stages(run.model, run.pipeline.stages, run.train.seed)
+        if checkpoint is not None:
+            for module in (self.head, *self.blocks):
+                load_stage_weights(module, run.model, checkpoint)
         modules = [self.head, *self.blocks]
         self.optimizers = [InnerOptimizer(m, run.optim, run.train.steps) for m in modules]
         self.sampler = BatchSampler(splits.train, run.train.seq_len, run.train.batch_size, run.train.seed)

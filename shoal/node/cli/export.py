@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
     parser.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for the checkpoint")
     parser.add_argument("--data", default=None, metavar="PATH", help="the run's data here, for its tokenizer")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="a run imported from a checkpoint: that checkpoint here, for its tokenizer")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per stage copy (default 60)")
 
 
@@ -68,14 +70,18 @@ def run(args: argparse.Namespace) -> int:
     from shoal.dht.swarm import SwarmDHT
     from shoal.model.hf import check_export_target, export_checkpoint
     from shoal.node.config import NodeConfig, RunChoice
-    from shoal.node.daemon import resolve_run
+    from shoal.node.daemon import resolve_run, run_checkpoint
 
     if not args.initial_peers:
         raise UsageError("--initial-peers is required: the address of any peer of the swarm")
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     check_export_target(args.out)
-    lookup = NodeConfig(run=RunChoice(run_name=args.run, run_config_path=args.run_config, data_path=args.data))
+    lookup = NodeConfig(
+        run=RunChoice(
+            run_name=args.run, run_config_path=args.run_config, data_path=args.data, checkpoint_dir=args.checkpoint
+        )
+    )
 
     async def main() -> tuple[Any, list[Any]]:
         dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)
@@ -87,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
             await dht.shutdown()
 
     run_config, (head, *blocks) = uvloop.run(main())
-    tokenizer = _tokenizer(run_config)
-    print(export_checkpoint(args.out, run_config.model, head, blocks, tokenizer))
+    checkpoint = run_checkpoint(run_config, lookup)
+    if run_config.model.checkpoint and checkpoint is None:
+        raise UsageError(f"run {run_config.name} starts from a checkpoint: give --checkpoint DIR for its tokenizer")
+    if checkpoint is not None:  # the imported checkpoint's own tokenizer files, as they were
+        print(export_checkpoint(args.out, run_config.model, head, blocks, None, source=checkpoint.path))
+    else:
+        print(export_checkpoint(args.out, run_config.model, head, blocks, _tokenizer(run_config)))
     return 0
 
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal.errors import UsageError
 from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
+from shoal.model.hf import initial_stage
 from shoal.model.split_backward import WeightGrads
-from shoal.model.stages import build_stage
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import (
@@ -115,7 +116,9 @@ class DataDriver(PipelineEngine):
     def __init__(self, ctx: NodeContext, shard: int = 0, num_shards: int = 1, progress_path: str | None = None):
         super().__init__(ctx)
         run = self.run
-        self.head = build_stage(run.model, run.pipeline.stages, 0, run.train.seed)
+        if run.model.checkpoint and ctx.checkpoint is None:  # its tokenizer, embedding and head are there
+            raise UsageError(f"a data node of run {run.name} needs the checkpoint it starts from: --checkpoint DIR")
+        self.head = initial_stage(run.model, run.pipeline.stages, 0, run.train.seed, ctx.checkpoint)
         self.optimizer = InnerOptimizer(self.head, run.optim, run.train.steps)
         self.shard, self.num_shards = shard, num_shards
         self.ledger = MicrobatchLedger()
@@ -155,7 +158,8 @@ class DataDriver(PipelineEngine):
     async def start(self) -> None:
         """Load and tokenize this node's data (on the compute thread): training starts with `run`."""
         run = self.run
-        self.splits = await self.compute(load_token_splits, run.data, run.model.vocab_size)
+        tokenizer = self.ctx.checkpoint.tokenizer_file if self.ctx.checkpoint is not None else None
+        self.splits = await self.compute(load_token_splits, run.data, run.model.vocab_size, tokenizer)
         self.sampler = BatchSampler(
             self.splits.train, run.train.seq_len, run.train.batch_size, run.train.seed, self.shard, self.num_shards
         )

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal.model.hf import initial_stage
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
-from shoal.model.stages import build_stage
 from shoal.node.averaging.base import Averager
 from shoal.node.averaging.diloco import DiLoCoAverager
 from shoal.node.averaging.noloco import NoLoCoAverager
@@ -106,7 +106,7 @@ class StageWorker(PipelineEngine):
         super().__init__(ctx)
         run = self.run
         self.stage = stage
-        self.module = build_stage(run.model, run.pipeline.stages, stage, run.train.seed)
+        self.module = initial_stage(run.model, run.pipeline.stages, stage, run.train.seed, ctx.checkpoint)
         self.optimizer = InnerOptimizer(self.module, run.optim, run.train.steps)
         self.saved: dict[str, Saved] = {}
         self.sent: dict[str, SentGradient] = {}
