@@ -30,14 +30,6 @@ def _trained(tmp_path, steps: int = 3):
     return run, trainer
 
 
-def _shoal_logits(trainer: ReferenceTrainer, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        x = trainer.head.embed(tokens)
-        for stage in trainer.blocks:
-            x = stage(x)
-        return trainer.head.logits(x)
-
-
 def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,7 +46,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_t
     )
     with torch.no_grad():
         theirs = model(input_ids=tokens).logits
-    ours = _shoal_logits(trainer, tokens)
+    ours = trainer.logits(tokens)
     assert (theirs - ours).abs().max().item() < 1e-5
 
     hf_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)

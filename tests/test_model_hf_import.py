@@ -66,14 +66,6 @@ def write_run(tmp_path, folder, **model) -> object:
     return path
 
 
-def _logits(trainer: ReferenceTrainer, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        x = trainer.head.embed(tokens)
-        for stage in trainer.blocks:
-            x = stage(x)
-        return trainer.head.logits(x)
-
-
 def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
 
@@ -92,7 +84,7 @@ def test_an_imported_checkpoint_computes_transformers_logits_and_exports_back_as
     trainer = ReferenceTrainer(run, load_token_splits(run.data, VOCAB, checkpoint.tokenizer_file), checkpoint)
     with torch.no_grad():
         expected = theirs(input_ids=_tokens()).logits
-    assert (_logits(trainer, _tokens()) - expected).abs().max().item() < 1e-5
+    assert (trainer.logits(_tokens()) - expected).abs().max().item() < 1e-5
 
     out = export_checkpoint(tmp_path / "out", run.model, trainer.head, trainer.blocks, None, source=folder)
     again = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()

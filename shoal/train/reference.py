@@ -74,6 +74,14 @@ class ReferenceTrainer:
         return total / n_micro
 
     @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits for `tokens` (B, T), in full precision: no wire cast between stages."""
+        x = self.head.embed(tokens)
+        for stage in self.blocks:
+            x = stage(x)
+        return self.head.logits(x)
+
+    @torch.no_grad()
     def evaluate(self) -> float:
         t = self.run.train
         losses = [
