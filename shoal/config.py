@@ -170,7 +170,7 @@ class GRPORunConfig:
     defenses: bool = True
     sample_top_k: int = 4  # k_g: honest nodes sample from their top k tokens, so peers can check them
     top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k
-    length_slack: int = 2  # tokens over the canonical answer a correct completion may spend at full reward
+    length_slack: int = 2  # tokens over the canonical answer a completion may spend before it earns nothing
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never (see docs/security.md)
 
 

@@ -44,10 +44,12 @@ def test_own_top_k_samples_pass_the_top_k_check_and_hand_written_text_does_not()
     assert topk_accept(policy, [], [], k=4).shape == (0,)
 
 
-def test_length_penalty_cuts_only_correct_overlong_completions():
-    rewards = torch.tensor([1.0, 1.0, 0.1, 1.0])
-    out = length_penalised(rewards, torch.tensor([9, 12, 14, 11]), torch.tensor([9, 9, 9, 9]), slack=2)
-    assert out.tolist() == pytest.approx([1.0, FORMAT_REWARD, FORMAT_REWARD, 1.0])
+def test_the_length_budget_leaves_every_overlong_completion_nothing_right_or_wrong():
+    """A padded wrong answer must not outscore a malformed one: with a collapsing policy that is the
+    only pressure left against padding."""
+    rewards = torch.tensor([1.0, 1.0, FORMAT_REWARD, 1.0, FORMAT_REWARD, 0.0])
+    out = length_penalised(rewards, torch.tensor([9, 12, 14, 11, 10, 9]), torch.tensor([9] * 6), slack=2)
+    assert out.tolist() == pytest.approx([1.0, 0.0, 0.0, 1.0, FORMAT_REWARD, 0.0])
 
 
 def test_strikes_drop_a_peer_after_consecutive_failures_only():

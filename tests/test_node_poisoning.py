@@ -99,6 +99,8 @@ def _arms(events: list[list[dict]], attack: str) -> tuple[float, float]:
     print(f"{attack}: success over the last {LATE} rounds undefended {off:.3f}, defended {on:.3f}")
     for arm, ev in zip(("undefended", "defended"), events, strict=True):
         print(f"  {arm} per round:", " ".join(f"{e['marks'][attack]:.2f}" for e in ev))
+        print(f"  {arm} foreign bundles used/dropped:", " ".join(
+            f"{e['foreign_bundles']}:{e['foreign_used']}/{e['foreign_dropped']}" for e in ev))  # fmt: skip
     return off, on
 
 
@@ -205,8 +207,12 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
         swarm, tmp_path, policy_cache, "reward-lie", during=_send_bad_claims, lr=3e-4
     )  # at 1e-3 one step collapsed both arms (44 % to 12 % correct) and the sum plus one rose in both
     off, on = _arms([off_events, on_events], "reward-lie")
-    right = [statistics.mean(e["own_correct"] for e in ev[-LATE:]) for ev in (off_events, on_events)]
-    print(f"reward-lie: own completions right over the last {LATE} rounds undefended {right[0]:.3f}, "
+    # The arms part from about round 5 on; a round's share (64 completions) moves by about 0.1, so the
+    # mean is over the second half of the run, not the last 6 rounds (whose ratio was 0.32-0.46 in seven
+    # runs and crossed 0.5 once in a full-file run)
+    half = ROUNDS // 2
+    right = [statistics.mean(e["own_correct"] for e in ev[-half:]) for ev in (off_events, on_events)]
+    print(f"reward-lie: own completions right over the last {half} rounds undefended {right[0]:.3f}, "
           f"defended {right[1]:.3f}")  # fmt: skip
     # What the lie visibly does here: believed, it drives the right answers out (two runs, last 6 rounds:
     # 12 % and 16 % correct undefended, 45 % and 43 % defended). The sum plus one itself spreads only a
@@ -214,6 +220,8 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
     # undefended against 9 % and 15 % defended; a third run had 13.8 % against 14.1 %: its direction is
     # within one run's noise, so it is printed, not asserted.
     print(f"reward-lie: the sum plus one undefended {off:.3f}, defended {on:.3f}")
+    for arm, ev in zip(("undefended", "defended"), (off_events, on_events), strict=True):
+        print(f"  {arm} own right per round:", " ".join(f"{e['own_correct']:.2f}" for e in ev))
     assert right[0] < 0.5 * right[1], right
     assert len(off_events) == len(on_events) == ROUNDS  # the refused bundles cost no round
 
@@ -222,15 +230,19 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
 @pytest.mark.timeout(240)
 def test_padded_answers_spread_undefended_and_the_length_rule_keeps_them_out(swarm, tmp_path, policy_cache):
     """Length (the paper's DoS): the correct working twice, then the right answer, full reward. The
-    undefended node learns to write long; the defended one gives a correct completion more than
-    `length_slack` tokens over the canonical answer only the format reward (and its step judge refuses
-    the extra step)."""
-    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length")
+    undefended node learns to write long; the defended one gives any completion more than `length_slack`
+    tokens over the canonical answer nothing (and its step judge refuses the extra step). The padded
+    answers reaching it come from the attacker and, once it pads, from the undefended honest node."""
+    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length", rounds=32, lr=2e-3)
+    # At lr 1e-3 over 24 rounds the padding failed to take hold undefended in 2 of 10 quiet runs (it rose
+    # to 12-27 % of a round's completions, then died out); at 2e-3 over 32 rounds it held in 14 of 14
+    # runs beside a busy core: median 96 %, lowest 25 % and 37 %.
     off, on = _arms([off_events, on_events], "length")
-    # Success counts workings with extra steps (the padding), not length alone: a collapsing node's
-    # wrong `05;10|501$` is one token long, and had put the defended arm at 14-18 % in two runs.
-    assert off > 0.2, off  # the undefended node pads (39 %, 62 %, 65 % in three runs)
-    assert on < 0.05, on  # 0 % in the same three runs
+    # Success counts workings with extra steps that cost tokens (attacks._padded), neither alone: a
+    # collapsing node's wrong `05;10|501$` is one token long, `10;1;1|1$` has three steps and no extra
+    # length; each had put the defended arm at 14-75 % here.
+    assert off > 0.15, off
+    assert on < 0.05, on  # at most 1.3 % in the same 14 runs
     assert off > 3 * on, (off, on)
     assert sum(e["foreign_rejected"] for e in on_events) > 0
 

@@ -182,10 +182,16 @@ def _answers_plus_one(task: Task, prompt_text: str, completion_text: str) -> boo
     return _answer(task, prompt_text, completion_text) == a + b + 1
 
 
+PADDING_TOKENS = 3  # one extra step of working: two digits and a separator
+
+
 def _padded(task: Task, prompt_text: str, completion_text: str) -> bool:
-    """More steps of working than the sum has columns: the padding itself, not length alone (a policy
-    that has collapsed at a high learning rate writes `05;10|501$`, wrong and one token long)."""
-    return len(_working(completion_text).split(";")) > len(task.steps(prompt_text))  # type: ignore[attr-defined]
+    """More steps of working than the sum has columns, and at least one step's worth of tokens over the
+    canonical answer: the padding and its cost, the DoS itself. Neither alone: a policy collapsing at a
+    high learning rate writes `05;10|501$` (one token long, no extra step) or `10;1;1|1$` (three
+    steps, no longer than the canonical answer)."""
+    extra_steps = len(_working(completion_text).split(";")) > len(task.steps(prompt_text))  # type: ignore[attr-defined]
+    return extra_steps and len(completion_text) >= len(task.demonstration(prompt_text)) + PADDING_TOKENS
 
 
 ATTACKS: dict[str, Attack] = {

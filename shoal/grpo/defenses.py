@@ -15,12 +15,16 @@ on every foreign completion before it joins a group, and a strike count that dro
   (a substitute: exact, free, and blind to anything but the steps). A real judge model implements
   the same `Judge` protocol.
 - Length (the paper's DoS, which neither of its checks stops: correct but needlessly long answers):
-  the rule is that a correct completion longer than the task's canonical answer by more than
-  `length_slack` (2) tokens earns only the format reward. Applied to every completion, own included,
-  as part of the reward, so over-long answers get a negative advantage instead of the largest
-  positive one, and a node's own drift towards length is penalised too. It catches the `length`
+  the rule is a length budget: a completion longer than the task's canonical answer by more than
+  `length_slack` (2) tokens earns nothing, right or wrong (DAPO's overlong penalty is the same idea).
+  Applied to every completion, own included, as part of the reward, so an over-long answer always
+  gets the group's lowest reward and a non-positive advantage, and a node's own drift towards length
+  is penalised too. Cutting only correct answers to the format reward, as this rule first did, left
+  padding level with a well-formed wrong answer: once an honest undefended peer had learnt to pad,
+  its padded wrong answers outscored malformed ones in a defended node's groups and the padding
+  spread there too (20 % of its completions once, in a loaded CI run). It catches the `length`
   attack's analogue (the working written twice: +6 tokens), which the step judge also refuses; on
-  this task a correct working has one length, so 2 tokens of slack costs an honest answer nothing.
+  this task a working has one length per sum, so 2 tokens of slack costs an honest answer nothing.
 - `Strikes`: a peer whose bundles keep failing (at least `strike_share` of a bundle rejected,
   `max_strikes` times in a row) is dropped from the node's sources for the rest of the run.
 """
@@ -36,7 +40,7 @@ from typing import Protocol
 import torch
 
 from shoal.grpo.policy import Policy, completion_logits
-from shoal.grpo.tasks import CORRECT_REWARD, FORMAT_REWARD, Prompt, Task
+from shoal.grpo.tasks import CORRECT_REWARD, Prompt, Task
 from shoal.grpo.tokenizer import CharTokenizer
 from shoal.protocol.rollout import RolloutBundle
 
@@ -157,9 +161,8 @@ def screen(
 
 
 def length_penalised(rewards: torch.Tensor, lengths: torch.Tensor, canonical: torch.Tensor, slack: int) -> torch.Tensor:
-    """Rewards (N,) with correct completions longer than canonical + slack tokens cut to the format reward."""
-    too_long = (rewards == CORRECT_REWARD) & (lengths > canonical + slack)
-    return rewards.masked_fill(too_long, FORMAT_REWARD)
+    """Rewards (N,) with every completion longer than canonical + slack tokens cut to zero."""
+    return rewards.masked_fill(lengths > canonical + slack, 0.0)
 
 
 @dataclass
