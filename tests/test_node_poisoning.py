@@ -8,7 +8,7 @@ A node's defenses are its own, so the two arms share the attacker, the prompts a
 swarm per attack costs half of two. The bundles cross real libp2p streams like any peer's; attack
 success is the `marks` of each round event (`Attack.success` over the node's fresh completions).
 
-The learning rate (1e-3, 2e-3 for the vertical trick, 3e-4 for the wrong step and the reward lie) is
+The learning rate (1e-3; 2e-3 for the vertical trick, 3e-3 for the length attack, 3e-4 for the wrong step and the reward lie) is
 high so that the attacks show within a few dozen rounds; honest held-out accuracy falls at 1e-3 in
 both arms (docs/security.md). The reward lie travels in the bundles' `claimed_rewards`, which only the
 undefended node reads. Strikes
@@ -233,16 +233,17 @@ def test_padded_answers_spread_undefended_and_the_length_rule_keeps_them_out(swa
     undefended node learns to write long; the defended one gives any completion more than `length_slack`
     tokens over the canonical answer nothing (and its step judge refuses the extra step). The padded
     answers reaching it come from the attacker and, once it pads, from the undefended honest node."""
-    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length", rounds=32, lr=2e-3)
-    # At lr 1e-3 over 24 rounds the padding failed to take hold undefended in 2 of 10 quiet runs (it rose
-    # to 12-27 % of a round's completions, then died out); at 2e-3 over 32 rounds it held in 14 of 14
-    # runs beside a busy core: median 96 %, lowest 25 % and 37 %.
+    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length", rounds=32, lr=3e-3)
+    # Whether the padding takes hold undefended is a race with the honest signal: at lr 1e-3 over 24
+    # rounds it failed in 2 of 10 quiet runs (it rose to 12-27 % of a round's completions, then died
+    # out), at 2e-3 over 32 rounds in 1 of 15 (a fresh-machine run: 2 %); at 3e-3 over 32 rounds it
+    # held in 10 of 10 beside a busy core (87-98 %, taking hold by round 3-10), defended at most 1 %.
     off, on = _arms([off_events, on_events], "length")
     # Success counts workings with extra steps that cost tokens (attacks._padded), neither alone: a
     # collapsing node's wrong `05;10|501$` is one token long, `10;1;1|1$` has three steps and no extra
     # length; each had put the defended arm at 14-75 % here.
     assert off > 0.15, off
-    assert on < 0.05, on  # at most 1.3 % in the same 14 runs
+    assert on < 0.05, on
     assert off > 3 * on, (off, on)
     assert sum(e["foreign_rejected"] for e in on_events) > 0
 
