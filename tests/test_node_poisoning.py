@@ -8,12 +8,12 @@ A node's defenses are its own, so the two arms share the attacker, the prompts a
 swarm per attack costs half of two. The bundles cross real libp2p streams like any peer's; attack
 success is the `marks` of each round event (`Attack.success` over the node's fresh completions).
 
-The learning rate (1e-3; 2e-3 for the vertical trick, 3e-3 for the length attack, 3e-4 for the wrong step and the reward lie) is
-high so that the attacks show within a few dozen rounds; honest held-out accuracy falls at 1e-3 in
-both arms (docs/security.md). The reward lie travels in the bundles' `claimed_rewards`, which only the
-undefended node reads. Strikes
-are off (`max_strikes = 0`) except in the one test about them: honest weights drift apart fast
-enough at this rate that the top-k check once struck an honest peer out.
+The learning rate (1e-3; 2e-3 for the vertical trick, 3e-3 for the length attack, 3e-4 for the wrong
+step and the reward lie) is high so that the attacks show within a few dozen rounds; honest held-out
+accuracy falls at 1e-3 in both arms (docs/security.md). The reward lie travels in the bundles'
+`claimed_rewards`, which only the undefended node reads. Strikes are off (`max_strikes = 0`) except in
+the one test about them: honest weights drift apart fast enough at this rate that the top-k check
+once struck an honest peer out.
 """
 
 from __future__ import annotations
