@@ -21,8 +21,7 @@ on every foreign completion before it joins a group, and a strike count that dro
   gets the group's lowest reward and a non-positive advantage, and a node's own drift towards length
   is penalised too. Cutting only correct answers to the format reward, as this rule first did, left
   padding level with a well-formed wrong answer: once an honest undefended peer had learnt to pad,
-  its padded wrong answers outscored malformed ones in a defended node's groups and the padding
-  spread there too (20 % of its completions once, in a loaded CI run). It catches the `length`
+  its padded wrong answers outscored malformed ones in a defended node's groups. It catches the `length`
   attack's analogue (the working written twice: +6 tokens), which the step judge also refuses; on
   this task a working has one length per sum, so 2 tokens of slack costs an honest answer nothing.
 - `Strikes`: a peer whose bundles keep failing (at least `strike_share` of a bundle rejected,
