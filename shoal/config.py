@@ -70,8 +70,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = ""  # a text file or folder; empty means the default corpus (see shoal.model.corpus)
+    """What the data nodes train on (the forms are in shoal.model.documents). `digest` is the
+    SHA-256 of the dataset's files, filled in where the run is defined; with it, `path` is only
+    where the defining machine keeps the data: the run id leaves it out and every data node checks
+    its own copy (`--data PATH`) against the digest."""
+
+    path: str = ""  # text file or folder, .jsonl, .parquet, save_to_disk folder; empty: the default corpus
     val_fraction: float = 0.05
+    text_field: str = "text"  # the text's field in .jsonl records, its column in .parquet and Arrow
+    digest: str = ""
 
 
 AVERAGING_MODES = ("noloco", "diloco", "none")
@@ -207,6 +214,11 @@ class RunConfig:
         for key in IMPORTED_MODEL_FIELDS:  # at their defaults: the run ids from before they existed
             if data["model"][key] == getattr(DEFAULT_MODEL, key):
                 del data["model"][key]
+        for key in ("text_field", "digest"):
+            if data["data"][key] == getattr(DataConfig(), key):
+                del data["data"][key]
+        if self.data.digest:  # the content names the data; the path is one machine's
+            del data["data"]["path"]
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -338,6 +350,8 @@ def _validate(cfg: RunConfig) -> None:
     need(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)")
     need(o.grad_clip > 0, "optim.grad_clip", "must be positive")
     need(0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
+    need(bool(d.text_field.strip()), "data.text_field", "must name a field")
+    need(not d.digest or DIGEST.fullmatch(d.digest) is not None, "data.digest", "must be a SHA-256 in hex, or empty")
     a = cfg.averaging
     need(a.mode in AVERAGING_MODES, "averaging.mode", f"must be one of {', '.join(AVERAGING_MODES)}, got {a.mode!r}")
     need(a.inner_steps >= 1, "averaging.inner_steps", f"must be at least 1, got {a.inner_steps}")
@@ -444,6 +458,32 @@ def _import_checkpoint(data: dict[str, Any], base: Path) -> Path | None:
     return path
 
 
+def _import_data(data: dict[str, Any]) -> None:
+    """`[data] path` in a run file: the digest of the files there goes into the run (checked
+    against a `digest` the file gives). A machine without them needs the file to give the digest."""
+    section = data.get("data")
+    if not isinstance(section, dict) or not isinstance(section.get("path"), str) or not section["path"]:
+        return
+    from shoal.model.documents import DataError, open_dataset
+
+    path, given = section["path"], section.get("digest", "")
+    if not Path(path).expanduser().exists():
+        if not given:
+            raise ConfigError(
+                "data.path",
+                f"{path!r} is not on this machine; a run file for machines without the data gives its "
+                "data.digest (or join the published run by name)",
+            )
+        return
+    try:
+        digest = open_dataset(Path(path).expanduser(), section.get("text_field", "text")).digest()
+    except DataError as e:
+        raise ConfigError("data.path", str(e)) from None
+    if given and given != digest:
+        raise ConfigError("data.digest", f"is {given[:12]}…, but the data at {path!r} is {digest[:12]}…")
+    section["digest"] = digest
+
+
 def load_run_source(name_or_path: str) -> RunSource:
     """A bundled run by name (`tiny`) or a TOML file path, with the checkpoint folder its file names."""
     path = Path(name_or_path)
@@ -457,6 +497,7 @@ def load_run_source(name_or_path: str) -> RunSource:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("", f"{path}: not valid TOML ({e})") from None
         checkpoint_dir = _import_checkpoint(data, path.parent)
+        _import_data(data)
         return RunSource(run_config_from_dict(data), checkpoint_dir)
     if name_or_path not in bundled_runs():
         raise ConfigError("", f"no bundled run named {name_or_path!r} (bundled: {', '.join(bundled_runs())})")

@@ -101,8 +101,8 @@ def test_the_run_id_hashes_the_checkpoint_not_its_path(tmp_path):
     shutil.copytree(first / "hf", moved / "hf")
     a = load_run_source(str(write_run(first, first / "hf"))).config
     b = load_run_source(str(write_run(moved, moved / "hf"))).config
-    assert a.run_id != b.run_id  # the two corpora are at different paths...
-    assert a.model == b.model  # ...but the model section, digests included, is the same
+    assert a.model == b.model  # the model section, digests included, is the same
+    assert a.run_id == b.run_id  # and so is the corpus, by content (data.digest), at another path
     write_checkpoint(moved / "hf", "qwen2-bias-tied")
     assert load_run_source(str(moved / "run.toml")).config.model.checkpoint != a.model.checkpoint
 

@@ -113,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
     from shoal.demo.launcher import POLL_S, RENDER_EVERY_S, LocalSwarm, ProgressTail
     from shoal.demo.report import build_report
     from shoal.model.corpus import default_corpus_path
-    from shoal.model.data import load_token_splits
+    from shoal.model.data import load_token_splits, with_local_data
 
     if args.averaging is not None:
         run_config = run_config.replace(averaging_overrides(args.averaging))
     if args.repair is not None:
         run_config = run_config.replace({"repair.rule": args.repair})
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
-        run_config = run_config.replace({"data.path": str(default_corpus_path())})
+        run_config = with_local_data(run_config, default_corpus_path())
     console = Console(stderr=True)
     console.print(f"preparing data: {run_config.data.path}")
     load_token_splits(run_config.data, run_config.model.vocab_size)  # trains + caches the tokenizer once

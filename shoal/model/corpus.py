@@ -77,18 +77,3 @@ def default_corpus_path() -> Path:
         raise UsageError(f"the default corpus is not installed; run `{INSTALL_HINT}` or pass --data PATH")
     atomic_write_bytes(path, "\n\n".join(sources[name] for name in sorted(sources)).encode("utf-8"))
     return path
-
-
-def read_text(path: str | Path) -> str:
-    """A text file, or every regular file under a folder (sorted, so the order is reproducible)."""
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    else:
-        raise UsageError(f"data path {str(path)!r} does not exist")
-    text = "\n\n".join(p.read_bytes().decode("utf-8", errors="replace") for p in files)
-    if len(text.strip()) < 1000:
-        raise UsageError(f"data path {str(path)!r} holds too little text ({len(text)} characters)")
-    return text

@@ -84,6 +84,7 @@ def resident_bytes() -> int:
 
 async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
     """The run to join: a file, a name published in the swarm, the swarm's default, or the bundled one."""
+    published_run = False
     if config.run.run_config_path:
         run = load_run_config(config.run.run_config_path)
         await dht.read_runs(run.name)  # learn the run's claim, if published, to keep it alive (republish_run)
@@ -99,14 +100,21 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
         if report:
             logger.warning("[%s] %s", dht.peer_id[-8:], report)
         if published:
-            run = published[0].config
+            run, published_run = published[0].config, True
         elif name:
             raise UsageError(f"no run named {config.run.run_name!r} is published in this swarm")
         else:
             run = load_run_config("tiny")
             logger.info("[%s] the swarm publishes no default run; using the bundled %r", dht.peer_id[-8:], run.name)
     if config.run.data_path:
-        run = run.replace({"data.path": config.run.data_path})
+        from shoal.model.data import with_local_data
+
+        if published_run and not run.data.digest:
+            raise UsageError(
+                f"--data: run {run.name!r} names no data digest (it trains each machine's default corpus), "
+                "so this data cannot be checked against it"
+            )
+        run = await asyncio.to_thread(with_local_data, run, config.run.data_path)
     return run
 
 

@@ -38,7 +38,9 @@ def resolve_run_source(args: argparse.Namespace) -> RunSource:
 def _overridden(run: RunConfig, args: argparse.Namespace) -> RunConfig:
     overrides: dict[str, Any] = {}
     if args.data is not None:
-        overrides["data.path"] = args.data
+        from shoal.model.data import with_local_data
+
+        run = with_local_data(run, args.data)
     if args.steps is not None:
         overrides["train.steps"] = args.steps
     if args.seed is not None:
@@ -69,7 +71,9 @@ def unigram_entropy(tokens, vocab_size: int) -> float:
     """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
     import torch
 
-    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for start in range(0, len(tokens), 1 << 22):  # the tokens are memory-mapped: widen a slice at a time
+        counts += torch.bincount(tokens[start : start + (1 << 22)].long(), minlength=vocab_size)[:vocab_size]
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
 
