@@ -179,6 +179,11 @@ class GRPORunConfig:
     top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k
     length_slack: int = 2  # tokens over the canonical answer a completion may spend before it earns nothing
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never (see docs/security.md)
+    # `[grpo.policy] from = "DIR"`: the Hugging Face checkpoint rollout workers post-train, by digest
+    # (shoal.model.checkpoint). Its tokenizer is the run's: every bundle is in it. A node may start
+    # from another checkpoint with the same tokenizer (its own policy, as width and depth are).
+    policy_checkpoint: str = ""
+    policy_tokenizer: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,9 @@ class RunConfig:
                 del data["data"][key]
         if self.data.digest:  # the content names the data; the path is one machine's
             del data["data"]["path"]
+        for key in ("policy_checkpoint", "policy_tokenizer"):
+            if "grpo" in data and not data["grpo"][key]:
+                del data["grpo"][key]
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -263,6 +271,13 @@ def _validate_grpo(g: GRPORunConfig) -> None:
             raise ConfigError(f"grpo.{where}", message)
 
     need(g.task in TASKS, "task", f"must be one of {', '.join(sorted(TASKS))}, got {g.task!r}")
+    for where, digest in (("policy_checkpoint", g.policy_checkpoint), ("policy_tokenizer", g.policy_tokenizer)):
+        need(not digest or DIGEST.fullmatch(digest) is not None, where, "must be a SHA-256 in hex, or empty")
+    need(
+        bool(g.policy_checkpoint) == bool(g.policy_tokenizer),
+        "policy_tokenizer",
+        "a policy checkpoint comes with its tokenizer: give both digests or neither",
+    )
     need(g.seed >= 0, "seed", f"must be non-negative, got {g.seed}")
     need(g.layout in GRPO_LAYOUTS, "layout", f"must be one of {', '.join(GRPO_LAYOUTS)}, got {g.layout!r}")
     need(1 <= g.prompts_per_round <= 64, "prompts_per_round", f"must be in 1..64, got {g.prompts_per_round}")
@@ -424,8 +439,9 @@ def bundled_runs() -> list[str]:
 @dataclass(frozen=True)
 class RunSource:
     """A run as this machine read it: the config every peer shares, and the folder here that holds
-    the checkpoint it starts from, where its file names one (`[model] from`). The folder never goes
-    into the config: the run id hashes the checkpoint's digest, so the same files anywhere are one run."""
+    the checkpoint it starts from, where its file names one (`[model] from`, or `[grpo.policy] from`).
+    The folder never goes into the config: the run id hashes the checkpoint's digest, so the same
+    files anywhere are one run."""
 
     config: RunConfig
     checkpoint_dir: Path | None = None
@@ -455,6 +471,29 @@ def _import_checkpoint(data: dict[str, Any], base: Path) -> Path | None:
     except CheckpointError as e:
         raise ConfigError("model.from", str(e)) from None
     data["model"] = dataclasses.asdict(checkpoint.model)
+    return path
+
+
+def _import_policy(data: dict[str, Any], base: Path) -> Path | None:
+    """`[grpo.policy] from = "DIR"`: the checkpoint's weights and tokenizer digests go into the run."""
+    grpo = data.get("grpo")
+    if not isinstance(grpo, dict) or "policy" not in grpo:
+        return None
+    policy = grpo.pop("policy")
+    if not isinstance(policy, dict) or set(policy) != {"from"}:
+        raise ConfigError("grpo.policy", 'takes one key: from = "DIR" (a Hugging Face checkpoint folder)')
+    source = policy["from"]
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError("grpo.policy.from", "must be the path of a checkpoint folder")
+    from shoal.model.checkpoint import CheckpointError, read_checkpoint
+
+    path = Path(source).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        model = read_checkpoint(path).model
+    except CheckpointError as e:
+        raise ConfigError("grpo.policy.from", str(e)) from None
+    grpo.update(policy_checkpoint=model.checkpoint, policy_tokenizer=model.tokenizer)
     return path
 
 
@@ -497,6 +536,10 @@ def load_run_source(name_or_path: str) -> RunSource:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("", f"{path}: not valid TOML ({e})") from None
         checkpoint_dir = _import_checkpoint(data, path.parent)
+        policy_dir = _import_policy(data, path.parent)
+        if checkpoint_dir is not None and policy_dir is not None:
+            raise ConfigError("grpo.policy.from", "a run starts from one checkpoint: model.from or grpo.policy.from")
+        checkpoint_dir = checkpoint_dir or policy_dir
         _import_data(data)
         return RunSource(run_config_from_dict(data), checkpoint_dir)
     if name_or_path not in bundled_runs():

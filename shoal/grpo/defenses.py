@@ -40,7 +40,7 @@ import torch
 
 from shoal.grpo.policy import Policy, completion_logits
 from shoal.grpo.tasks import CORRECT_REWARD, Prompt, Task
-from shoal.grpo.tokenizer import CharTokenizer
+from shoal.grpo.tokenizer import PolicyTokenizer
 from shoal.protocol.rollout import RolloutBundle
 
 MAX_DROPPED = 16  # sources a node remembers (and advertises) as dropped
@@ -109,7 +109,7 @@ class Screening:
 def screen(
     policy: Policy,
     task: Task,
-    tokenizer: CharTokenizer,
+    tokenizer: PolicyTokenizer,
     prompts: Sequence[Prompt],
     bundles: Sequence[RolloutBundle],
     cfg: DefenseConfig,

@@ -1,9 +1,11 @@
-"""A whole (small) policy: the project's LLaMA-style decoder over a task's character tokenizer.
+"""A whole policy: the project's LLaMA-style decoder over a task's character tokenizer, or a
+Hugging Face checkpoint over its own tokenizer.
 
-`PolicySpec` is everything that makes one policy differ from another (width, depth, seed, warm-up);
-its `model_id` is the stable string a node declares in its record and stamps on its bundles. Two
-nodes with the same spec start from bit-identical weights (the decoder seeds every weight from the
-spec's seed), so "same model id" means "same starting policy".
+A spec is everything that makes one policy differ from another; its `model_id` is the stable string
+a node declares in its record and stamps on its bundles. `PolicySpec` builds a small decoder (width,
+depth, seed, warm-up) whose weights are seeded from the spec, so two nodes with the same spec start
+bit-identical; `CheckpointPolicySpec` starts from a checkpoint's weights, named by their digest. In
+both, "same model id" means "same starting policy".
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shoal.grpo.tasks import get_task
-from shoal.grpo.tokenizer import PAD_ID, CharTokenizer
+from shoal.grpo.tokenizer import CharTokenizer, CheckpointTokenizer, PolicyTokenizer
 from shoal.model.config import ModelConfig
 from shoal.model.llama import DECODER_LAYOUT, BlockStage, HeadStage
+
+if TYPE_CHECKING:
+    from shoal.model.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class PolicySpec:
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
     max_seq_len: int = 24  # prompt + completion
+    checkpoint: ClassVar[None] = None
 
     @property
     def model_id(self) -> str:
@@ -58,15 +65,62 @@ class PolicySpec:
         )
 
 
-class Policy(nn.Module):
-    """Token ids (B, T) -> logits (B, T, V), with padding never predicted."""
+@dataclass(frozen=True)
+class CheckpointPolicySpec:
+    """A policy that starts from a Hugging Face checkpoint (shoal.model.checkpoint has read and
+    checked it): its architecture and weights, its tokenizer, then the same warm-up as `PolicySpec`."""
 
-    def __init__(self, spec: PolicySpec):
+    task: str
+    checkpoint: Checkpoint = dataclasses.field(compare=False)
+    seed: int = 0
+    warmup_steps: int = 400
+    warmup_batch: int = 64
+    warmup_lr: float = 3e-3
+
+    @property
+    def model_id(self) -> str:
+        m = self.checkpoint.model
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "checkpoint"}
+        fields.update(weights=m.checkpoint, tokenizer=m.tokenizer, max_seq_len=m.max_seq_len, layout=DECODER_LAYOUT)
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.task}-hf{m.checkpoint[:8]}-w{self.warmup_steps}-s{self.seed}-{digest}"
+
+    def tokenizer(self) -> CheckpointTokenizer:
+        m = self.checkpoint.model
+        return CheckpointTokenizer(self.checkpoint.tokenizer_file, m.vocab_size, m.tokenizer)
+
+    def model_config(self) -> ModelConfig:
+        return self.checkpoint.model
+
+
+def check_policy_checkpoint(spec: CheckpointPolicySpec) -> None:
+    """Refuse (ValueError, one line) a checkpoint whose tokenizer cannot write the task's text."""
+    task = get_task(spec.task)
+    tokenizer = spec.tokenizer()
+    prompt = task.prompt(0, 0, 0).text
+    tokenizer.check_round_trip([prompt, task.demonstration(prompt), task.alphabet])
+    longest = len(tokenizer.encode(prompt)) + task.max_new_tokens
+    if longest > spec.model_config().max_seq_len:
+        raise ValueError(f"a prompt and its completion take {longest} positions, over the model's max_seq_len")
+
+
+class Policy(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V), with padding never predicted where it is no token."""
+
+    def __init__(self, spec: PolicySpec | CheckpointPolicySpec):
         super().__init__()
         self.spec = spec
         cfg = spec.model_config()
         self.head = HeadStage(cfg, spec.seed)
         self.body = BlockStage(cfg, range(cfg.n_layers), spec.seed)
+        if spec.checkpoint is not None:
+            from shoal.model.hf import load_stage_weights
+
+            load_stage_weights(self.head, cfg, spec.checkpoint)
+            load_stage_weights(self.body, cfg, spec.checkpoint)
+        tokenizer: PolicyTokenizer = spec.tokenizer()
+        self.pad_id = tokenizer.pad_id
+        self._masked = torch.tensor([tokenizer.pad_id]) if tokenizer.masks_padding else None
 
     @property
     def model_id(self) -> str:
@@ -74,7 +128,7 @@ class Policy(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.head.logits(self.body(self.head.embed(tokens)))  # (B, T, V)
-        return logits.index_fill(-1, torch.tensor([PAD_ID]), float("-inf"))
+        return logits if self._masked is None else logits.index_fill(-1, self._masked, float("-inf"))
 
 
 def completion_logits(
@@ -83,13 +137,14 @@ def completion_logits(
     """The policy's logits at every completion position, teacher-forced, in one forward pass.
 
     Returns (logits (N, T, V), targets (N, T), mask (N, T)) with T the longest completion; positions
-    past a completion's end hold PAD_ID targets and mask False. Gradients flow into the policy.
+    past a completion's end hold padding targets and mask False. Gradients flow into the policy.
     """
     n, width = len(prompts), max((len(c) for c in completions), default=0)
     total = max(len(p) for p in prompts) + width  # so every position below stays inside
-    seqs = torch.full((n, total), PAD_ID, dtype=torch.long)
-    targets = torch.full((n, width), PAD_ID, dtype=torch.long)
+    seqs = torch.full((n, total), policy.pad_id, dtype=torch.long)
+    targets = torch.full((n, width), policy.pad_id, dtype=torch.long)
     starts = torch.empty(n, dtype=torch.long)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         seqs[i, : len(p) + len(c)] = torch.tensor(p + c)
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
@@ -97,7 +152,7 @@ def completion_logits(
     positions = starts[:, None] + torch.arange(width)  # (N, T), always < total
     logits = policy(seqs)  # (N, L, V)
     logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))  # (N, T, V)
-    return logits, targets, targets != PAD_ID
+    return logits, targets, torch.arange(width)[None, :] < lengths[:, None]
 
 
 def completion_logprobs(
@@ -109,6 +164,6 @@ def completion_logprobs(
     end have mask False and logp 0. Gradients flow into the policy.
     """
     logits, targets, mask = completion_logits(policy, prompts, completions)
-    picked = targets.masked_fill(~mask, PAD_ID + 1)  # any real token: padding has log-prob -inf
+    picked = targets.masked_fill(~mask, 1)  # a real token in both tokenizers: padding may have log-prob -inf
     logp = F.log_softmax(logits, dim=-1).gather(-1, picked[..., None]).squeeze(-1)  # (N, T)
     return logp.masked_fill(~mask, 0.0), mask

@@ -13,7 +13,7 @@ import torch
 
 from shoal.grpo.sampling import Samples
 from shoal.grpo.tasks import Prompt, Task
-from shoal.grpo.tokenizer import CharTokenizer
+from shoal.grpo.tokenizer import PolicyTokenizer
 from shoal.protocol.rollout import Completion, RolloutBundle
 
 
@@ -39,7 +39,7 @@ class Batch:
 
 
 def build_batch(
-    task: Task, tokenizer: CharTokenizer, prompts: list[Prompt], own: RolloutBundle, foreign: Sequence[RolloutBundle]
+    task: Task, tokenizer: PolicyTokenizer, prompts: list[Prompt], own: RolloutBundle, foreign: Sequence[RolloutBundle]
 ) -> Batch:
     """Rows for `own` and the (already validated) `foreign` bundles, with rewards scored locally."""
     by_index = {p.index: p for p in prompts}

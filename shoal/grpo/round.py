@@ -24,7 +24,7 @@ from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
 from shoal.grpo.tasks import CORRECT_REWARD, Prompt, get_task
-from shoal.grpo.tokenizer import CharTokenizer
+from shoal.grpo.tokenizer import PolicyTokenizer
 from shoal.protocol.rollout import BadRollout, RolloutBundle, RolloutLimits, validate_bundle
 from shoal.train.grpo import GRPOConfig, LossStats, grpo_loss
 
@@ -63,7 +63,7 @@ def round_prompts(cfg: RoundConfig, round: int) -> list[Prompt]:
     return [task.prompt(cfg.run_seed, round, i) for i in range(cfg.prompts_per_round)]
 
 
-def rollout_limits(cfg: RoundConfig, tokenizer: CharTokenizer, round: int) -> RolloutLimits:
+def rollout_limits(cfg: RoundConfig, tokenizer: PolicyTokenizer, round: int) -> RolloutLimits:
     """What a peer's bundle for `round` may hold, from this node's run config and tokenizer."""
     return RolloutLimits(
         task=cfg.task,
@@ -76,6 +76,7 @@ def rollout_limits(cfg: RoundConfig, tokenizer: CharTokenizer, round: int) -> Ro
         max_per_prompt=cfg.max_foreign_per_prompt,
         run_id=cfg.run_id,
         max_reward=CORRECT_REWARD,
+        first_token=tokenizer.first_id,
     )
 
 
@@ -163,7 +164,7 @@ def learn(
         batch.rewards[batch.foreign] = torch.tensor(believed, dtype=batch.rewards.dtype)
     if cfg.defense.enabled:
         began = time.perf_counter()
-        canonical = [len(task.demonstration(tokenizer.decode(p))) for p in batch.prompts]
+        canonical = [len(tokenizer.encode(task.demonstration(tokenizer.decode(p)))) for p in batch.prompts]
         batch.rewards = length_penalised(
             batch.rewards,
             torch.tensor([len(c) for c in batch.completions]),

@@ -1,8 +1,9 @@
 """Sampling completions with their per-token log-probs, batched over every prompt at once.
 
 No KV cache: completions are a few tokens long, so re-running the whole (short) sequence per new
-token costs less than keeping a cache would save. Rows that have finished keep getting padding
-appended (and are masked), so one batch runs until its slowest row ends or `max_new_tokens`.
+token costs less than keeping a cache would save. Rows that have finished keep getting the policy's
+padding appended (and are cut at their length), so one batch runs until its slowest row ends or
+`max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from shoal.grpo.policy import Policy
-from shoal.grpo.tokenizer import PAD_ID
 
 
 @dataclass
@@ -47,9 +47,10 @@ def sample(
     for rows in by_length.values():
         rows = [r for r in rows for _ in range(per_prompt)]
         x = torch.tensor([prompts[r] for r in rows], dtype=torch.long)  # (N, P)
-        tokens = torch.full((len(rows), max_new_tokens), PAD_ID, dtype=torch.long)
+        tokens = torch.full((len(rows), max_new_tokens), policy.pad_id, dtype=torch.long)
         logps = torch.zeros(len(rows), max_new_tokens)
         done = torch.zeros(len(rows), dtype=torch.bool)
+        lengths = torch.zeros(len(rows), dtype=torch.long)
         for t in range(max_new_tokens):
             logits = policy(x)[:, -1]  # (N, V)
             if top_k > 0:
@@ -60,7 +61,8 @@ def sample(
                 tok = logp.argmax(-1)
             else:
                 tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            tok = tok.masked_fill(done, PAD_ID)
+            tok = tok.masked_fill(done, policy.pad_id)
+            lengths += (~done).long()
             tokens[:, t] = tok
             logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0).clamp(max=0.0)
             done |= tok == eos_id
@@ -68,7 +70,7 @@ def sample(
             if done.all():
                 break
         for i, row in enumerate(rows):
-            n = int((tokens[i] != PAD_ID).sum())
+            n = int(lengths[i])
             out.prompt_rows.append(row)
             out.completions.append(tokens[i, :n].tolist())
             out.logprobs.append(logps[i, :n].tolist())

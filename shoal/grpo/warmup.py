@@ -18,33 +18,38 @@ import torch
 import torch.nn.functional as F
 
 from shoal.files import atomic_save
-from shoal.grpo.policy import Policy, PolicySpec
+from shoal.grpo.policy import CheckpointPolicySpec, Policy, PolicySpec
 from shoal.grpo.tasks import TRAIN, get_task, task_seed
-from shoal.grpo.tokenizer import PAD_ID
+
+IGNORED = -100  # cross-entropy's ignore_index: prompt positions and padding
 
 log = logging.getLogger(__name__)
 
 
-def demonstration_batch(spec: PolicySpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), both (B, T); targets are PAD (ignored) over the prompt and after the answer."""
+Spec = PolicySpec | CheckpointPolicySpec
+
+
+def demonstration_batch(spec: Spec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), both (B, T); targets are IGNORED over the prompt and after the answer. The
+    prompt and the answer are tokenized apart, as the policy reads a prompt and writes a completion."""
     task, tokenizer = get_task(spec.task), spec.tokenizer()
     seed = task_seed(spec.seed, "warmup")  # apart from any run's GRPO prompts
     seqs, starts = [], []
     for i in range(spec.warmup_batch):
         prompt = task.prompt(seed, step, i, TRAIN).text
-        seqs.append(tokenizer.encode(prompt + task.demonstration(prompt)))
-        starts.append(len(prompt))
+        prompt_ids = tokenizer.encode(prompt)
+        seqs.append(prompt_ids + tokenizer.encode(task.demonstration(prompt)))
+        starts.append(len(prompt_ids))
     width = max(map(len, seqs))
-    tokens = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    for i, s in enumerate(seqs):
+    tokens = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
+    targets = torch.full((len(seqs), width - 1), IGNORED, dtype=torch.long)
+    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
         tokens[i, : len(s)] = torch.tensor(s)
-    targets = tokens[:, 1:].clone()
-    for i, start in enumerate(starts):
-        targets[i, : start - 1] = PAD_ID  # learn the answer only, not the (random) prompt
+        targets[i, start - 1 : len(s) - 1] = torch.tensor(s[start:])  # learn the answer only, not the prompt
     return tokens[:, :-1], targets
 
 
-def warm_up(spec: PolicySpec) -> tuple[Policy, dict]:
+def warm_up(spec: Spec) -> tuple[Policy, dict]:
     """Train a fresh policy on demonstrations; returns it and a small report."""
     policy = Policy(spec)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=spec.warmup_lr, weight_decay=0.0)
@@ -55,7 +60,7 @@ def warm_up(spec: PolicySpec) -> tuple[Policy, dict]:
             group["lr"] = lr
         inputs, targets = demonstration_batch(spec, step)
         logits = policy(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=PAD_ID)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORED)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -64,8 +69,10 @@ def warm_up(spec: PolicySpec) -> tuple[Policy, dict]:
     return policy, report
 
 
-def cached_warm_up(spec: PolicySpec, cache_dir: Path) -> tuple[Policy, dict]:
+def cached_warm_up(spec: Spec, cache_dir: Path) -> tuple[Policy, dict]:
     """The warmed-up policy for `spec`, trained the first time and loaded from `cache_dir` after."""
+    if spec.warmup_steps == 0:  # nothing to learn or keep: the spec's own starting weights
+        return Policy(spec), {"model_id": spec.model_id, "seconds": 0.0, "final_loss": float("nan"), "cached": False}
     path = Path(cache_dir) / f"policy-{spec.model_id}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
@@ -74,7 +81,8 @@ def cached_warm_up(spec: PolicySpec, cache_dir: Path) -> tuple[Policy, dict]:
         return policy, {**saved["report"], "cached": True}
     policy, report = warm_up(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
-    saved = {"state": policy.state_dict(), "report": report, "spec": dataclasses.asdict(spec)}
+    described = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "checkpoint"}
+    saved = {"state": policy.state_dict(), "report": report, "spec": described}
     atomic_save(path, lambda tmp: torch.save(saved, tmp))
     log.info("warmed up %s in %.1f s (loss %.3f)", spec.model_id, report["seconds"], report["final_loss"])
     return policy, {**report, "cached": False}

@@ -94,11 +94,12 @@ class RunChoice:
     )  # read this run's config from the DHT
     run_config_path: str | None = option(None, "or the run in this TOML file", flag="--run-config", metavar="FILE")
     data_path: str | None = option(
-        None, "text file or folder (data nodes)", flag="--data", metavar="PATH"
-    )  # overrides the run's data.path for this node
+        None, "this machine's copy of the run's data (data nodes)", flag="--data", metavar="PATH"
+    )  # checked against the run's data.digest
     checkpoint_dir: str | None = option(
         None,
-        "the checkpoint the run starts from, on this machine (runs imported from one)",
+        "the checkpoint the run starts from, on this machine (runs imported from one; in a GRPO run, the "
+        "policy this node post-trains)",
         flag="--checkpoint",
         metavar="DIR",
     )  # verified against the run's digests; without it a worker copies its stage from a live replica

@@ -122,6 +122,8 @@ def run_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
     """This machine's copy of the checkpoint the run starts from (--checkpoint, or the run file's
     `[model] from`), verified against the run's digests; None where the run has none or it is not here."""
     folder = config.run.checkpoint_dir
+    if run.grpo is not None and run.grpo.policy_checkpoint:
+        return policy_checkpoint(run, config)
     if not run.model.checkpoint:
         if folder:
             raise UsageError(f"--checkpoint: run {run.name} starts from no checkpoint")
@@ -129,6 +131,25 @@ def run_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
     if folder is None and config.run.run_config_path:
         folder = load_run_source(config.run.run_config_path).checkpoint_dir
     return verify(folder, run.model) if folder is not None else None
+
+
+def policy_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
+    """The checkpoint this node's rollouts post-train: the run's (`[grpo.policy] from`), or another in
+    the run's tokenizer (`--checkpoint DIR`: this node's own policy choice, as --width is); None where
+    this machine has neither (a rollout worker then refuses to start)."""
+    from shoal.model.checkpoint import CheckpointError, read_checkpoint
+
+    assert run.grpo is not None
+    folder = config.run.checkpoint_dir
+    if folder is None and config.run.run_config_path:
+        folder = load_run_source(config.run.run_config_path).checkpoint_dir
+    if folder is None:
+        return None
+    checkpoint = read_checkpoint(folder)
+    if checkpoint.model.tokenizer != run.grpo.policy_tokenizer:
+        raise CheckpointError(f"checkpoint {folder}: its tokenizer.json ({checkpoint.model.tokenizer[:12]}) is "
+                              f"not the run's ({run.grpo.policy_tokenizer[:12]}); every bundle is in it")  # fmt: skip
+    return checkpoint
 
 
 def run_cost_model(run: RunConfig) -> CostModel:
@@ -395,13 +416,25 @@ class Node:
 
     async def _start_rollouts(self) -> None:
         """GRPO: no stage to claim; warm the policy up, announce it, and run the rounds."""
-        from shoal.grpo.policy import PolicySpec
+        from shoal.grpo.policy import CheckpointPolicySpec, PolicySpec, check_policy_checkpoint
         from shoal.model.corpus import cache_dir
 
         assert self.run.grpo is not None
         p = self.config.policy
-        spec = PolicySpec(task=self.run.grpo.task, d_model=p.width, n_layers=p.depth, n_heads=p.heads, seed=p.seed,
-                          warmup_steps=p.warmup_steps)  # fmt: skip
+        if self.run.grpo.policy_checkpoint and self.checkpoint is None:
+            raise UsageError(f"run {self.run.name} post-trains a checkpoint (grpo.policy.from): give --checkpoint DIR")
+        if self.checkpoint is not None:
+            spec = CheckpointPolicySpec(self.run.grpo.task, self.checkpoint, seed=p.seed, warmup_steps=p.warmup_steps)
+            try:
+                check_policy_checkpoint(spec)
+            except ValueError as e:
+                raise UsageError(f"checkpoint {self.checkpoint.path}: {e}") from None
+            own = "the run's" if self.checkpoint.model.checkpoint == self.run.grpo.policy_checkpoint else "its own"
+            logger.info("[%s] post-training %s checkpoint %s (weights %s)", self.short_id, own, self.checkpoint.path,
+                        self.checkpoint.model.checkpoint[:12])  # fmt: skip
+        else:
+            spec = PolicySpec(task=self.run.grpo.task, d_model=p.width, n_layers=p.depth, n_heads=p.heads,
+                              seed=p.seed, warmup_steps=p.warmup_steps)  # fmt: skip
         worker = RolloutWorker(self.context(), spec, Path(p.cache) if p.cache else cache_dir() / "grpo")
         await worker.start()
         self.stage, self.engine = 0, worker

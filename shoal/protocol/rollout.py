@@ -63,7 +63,7 @@ class RolloutLimits:
     task: str
     round: int
     tokenizer_id: str
-    vocab_size: int  # token ids must lie in 1..vocab_size-1 (0 is padding)
+    vocab_size: int  # token ids must lie in first_token..vocab_size-1
     eos_id: int
     prompts: int  # prompt indices must lie in 0..prompts-1
     max_new_tokens: int
@@ -71,6 +71,7 @@ class RolloutLimits:
     max_completions: int = MAX_BUNDLE_COMPLETIONS
     max_tokens: int = MAX_BUNDLE_TOKENS  # over all completions of the bundle
     run_id: str | None = None  # when set, a bundle must name this run
+    first_token: int = 1  # the character tokenizer's 0 is padding; a checkpoint's tokenizer starts at 0
     max_reward: float = 1.0  # claimed rewards must lie in 0..max_reward (the task's full reward)
 
 
@@ -108,8 +109,10 @@ def validate_bundle(bundle: RolloutBundle, limits: RolloutLimits) -> None:
         if len(c.logprobs) != len(c.tokens):
             raise BadRollout(f"{where}: {len(c.logprobs)} log-probs for {len(c.tokens)} tokens")
         for token in c.tokens:
-            if not 1 <= token < limits.vocab_size:
-                raise BadRollout(f"{where}: token id {token} outside the vocabulary 1..{limits.vocab_size - 1}")
+            if not limits.first_token <= token < limits.vocab_size:
+                raise BadRollout(
+                    f"{where}: token id {token} outside the vocabulary {limits.first_token}..{limits.vocab_size - 1}"
+                )
         if limits.eos_id in c.tokens[:-1]:
             raise BadRollout(f"{where}: tokens continue after the end of the completion")
         for lp in c.logprobs:
