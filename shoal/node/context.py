@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from shoal.config import RunConfig
@@ -18,6 +18,7 @@ from shoal.model.checkpoint import Checkpoint
 from shoal.node.config import NodeConfig
 from shoal.node.hooks import Hooks
 from shoal.node.net.links import LinkMonitor
+from shoal.node.net.suspects import Suspects
 from shoal.planning.peer_router import PeerRouter
 from shoal.planning.swarm_view import SwarmView
 
@@ -40,6 +41,7 @@ class NodeContext:
     publish: Callable[[], Awaitable[Any]]  # publish the node's record now
     hooks: Hooks
     checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
+    suspects: Suspects = field(default_factory=Suspects)  # peers that just failed us (net/suspects.py)
 
     @property
     def short_id(self) -> str:

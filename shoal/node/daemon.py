@@ -43,6 +43,7 @@ from shoal.node.net.links import LinkMonitor
 from shoal.node.net.pipeline_service import EngineService
 from shoal.node.net.reachability import ReachService
 from shoal.node.net.restarts import RestartWatch
+from shoal.node.net.suspects import Suspects, watch_peers
 from shoal.node.net.transport import call, serve, unserve
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
@@ -194,7 +195,9 @@ class Node:
         self.state = STATE_JOINING
         self.stage: int | None = None
         self.max_inflight = 1
-        self.view: SwarmView | None = None
+        self.view: SwarmView | None = None  # the last view read, without the suspects
+        self.raw_view: SwarmView | None = None  # ... and with them
+        self.suspects = Suspects(on_change=self._suspects_changed)
         self.router = PeerRouter(routing_policy(config, run), run_cost_model(run), seed=dht.peer_id)
         self.links = LinkMonitor(dht.p2p, dht.peer_id)
         self.hooks = node_hooks(config)
@@ -306,6 +309,7 @@ class Node:
             publish=self.publish,
             hooks=self.hooks,
             checkpoint=self.checkpoint,
+            suspects=self.suspects,
         )
 
     def progress(self) -> Progress:
@@ -381,7 +385,10 @@ class Node:
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
-        services = (HealthService(lambda: (self.state, self.stage)), ReachService(), EngineService(self.handlers))
+        watcher = watch_peers(self.dht.p2p, self.suspects, self._listed_peers, self._stop, self._pings)
+        self._tasks.append(asyncio.create_task(watcher, name="watch peers"))
+        health = HealthService(lambda: (self.state, self.stage))
+        services = (health, ReachService(), EngineService(self.handlers, heard=self.suspects.clear))
         for service in services:
             self._handlers += await serve(
                 self.dht.p2p, service, self.config.network.rpc_timeout_s, self.errors, self.short_id
@@ -475,18 +482,39 @@ class Node:
             logger.info(
                 "[%s] %d listed peer(s) do not answer: %s", self.short_id, len(silent), [p[-8:] for p in silent]
             )
-        return self.observe_view(view.without(silent))
+        for peer in silent:
+            self.suspects.mark(peer, "no answer to a ping at join")
+        return self.observe_view(view)
 
     def observe_view(self, view: SwarmView) -> SwarmView:
-        """Take a fresh view: routing re-plans over it, the links measured so far and, at a data node,
-        the throughput its microbatches' trips showed (planning/observed.py: claims are only lowered)."""
-        self.view = view
+        """Take a fresh view: routing re-plans over it without the suspects (net/suspects.py), with the
+        links measured so far and, at a data node, the throughput its microbatches' trips showed
+        (planning/observed.py: claims are only lowered)."""
+        self.raw_view = view
+        self.suspects.keep_only({n.peer_id for n in view.nodes})
         self._note_restarts(view)
+        return self._take_view(view)
+
+    def _take_view(self, raw: SwarmView) -> SwarmView:
+        view = raw.without(self.suspects.current()) if len(self.suspects) else raw
+        self.view = view
         links = {**view.measured_links(), **self.links.measured()}
         trips = list(self.engine.trips()) if self.engine is not None else []
         routed = observed_view(view, trips, self.router.cost.backward_factor) if trips else view
         self.router.update(Snapshot(routed, self.peer_id, links))
         return view
+
+    def _suspects_changed(self) -> None:
+        """A peer failed us or answered again: our choices change now, not at the next heartbeat."""
+        if self.raw_view is not None:
+            self._take_view(self.raw_view)
+
+    def _listed_peers(self) -> set[str]:
+        view = self.raw_view
+        return {n.peer_id for n in view.nodes if n.peer_id != self.peer_id} if view is not None else set()
+
+    async def _pings(self, peer_id: str) -> bool:
+        return await self.links.ping(peer_id) is not None
 
     def _note_restarts(self, view: SwarmView) -> None:
         """Peers back under the same peer id lost what they held: act on it as if they had left."""
@@ -526,13 +554,16 @@ class Node:
             self.engine = worker
             resumed = await self._resume(worker)  # whose weights: our own saved ones, or a replica's copied
             source = self.peer_id if resumed else await worker.join_by_copy()  # before we announce ourselves active
-            if source is None and await worker.repair_if_lost() is None:
+            listed = self.raw_view.replicas(self.stage, exclude=self.peer_id) if self.raw_view is not None else []
+            silent = {n.peer_id for n in listed if n.state == STATE_ACTIVE and n.peer_id in self.suspects}
+            if source is None and await worker.repair_if_lost(silent) is None:
                 if self.run.model.checkpoint and self.checkpoint is None:
                     raise UsageError(f"run {self.run.name} starts from a checkpoint, and no live replica of stage "
                                      f"{self.stage} gave its weights: give --checkpoint DIR")  # fmt: skip
-                if self.view is not None and self.view.replicas(self.stage, exclude=self.peer_id):
-                    logger.warning("[%s] stage %d has replicas but none gave its weights: starting %s", self.short_id,
-                                   self.stage, "from the checkpoint" if self.checkpoint else "fresh")  # fmt: skip
+                if worker.failed_donors or silent:
+                    logger.info("[%s] stage %d: no listed replica gave its weights, and the run has not stepped "
+                                "yet: starting %s, as every replica did", self.short_id, self.stage,
+                                "from the checkpoint" if self.checkpoint else "from the initialisation")  # fmt: skip
             await worker.start()
 
     async def _resume(self, engine: Engine) -> bool:
@@ -582,9 +613,10 @@ class Node:
                 pass
             try:
                 await self.refresh_view()
-                live = [n.peer_id for n in self.view.live_nodes()]
+                live = [n.peer_id for n in self.raw_view.live_nodes()] if self.raw_view is not None else []
                 self.links.forget(set(live))
-                await self.links.ping_round(live, preferred=set())
+                for peer in await self.links.ping_round(live, preferred=set()):
+                    self.suspects.mark(peer, "no answer to a ping")
                 if self.engine is not None:
                     self.engine.on_view(self.view)
                 chosen = self.choose_stage()

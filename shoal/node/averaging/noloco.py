@@ -171,7 +171,11 @@ class NoLoCoAverager(Averager):
     # ---- the exchange, both sides ------------------------------------------------------------------
 
     async def _call(self, partner: str, epoch: int, phi, delta) -> tuple[list, list] | None:
-        stream = await open_call(self.ctx.p2p, partner, "rpc_gossip", self.timeout_s)
+        try:
+            stream = await open_call(self.ctx.p2p, partner, "rpc_gossip", self.timeout_s)
+        except Exception as e:
+            self.ctx.suspects.mark(partner, f"gossip dial failed: {e!r}")
+            raise
         try:
             await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(phi)))
             await self._send(stream, phi, delta)

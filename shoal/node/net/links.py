@@ -60,13 +60,15 @@ class LinkMonitor:
         estimate.updated = time.monotonic()
         return rtt
 
-    async def ping_round(self, peers: list[str], preferred: set[str]) -> None:
-        """Ping the peers we route to, then random others, up to MAX_PINGED, all at once."""
+    async def ping_round(self, peers: list[str], preferred: set[str]) -> list[str]:
+        """Ping the peers we route to, then random others, up to MAX_PINGED, all at once; returns the
+        peers that did not answer."""
         first = [p for p in peers if p in preferred and p != self.me]
         rest = [p for p in peers if p not in preferred and p != self.me]
         random.shuffle(rest)
         chosen = (first + rest)[:MAX_PINGED]
-        await asyncio.gather(*(self.ping(p) for p in chosen))
+        answers = await asyncio.gather(*(self.ping(p) for p in chosen))
+        return [p for p, rtt in zip(chosen, answers, strict=True) if rtt is None]
 
     def observe_send(self, peer: str, nbytes: int, seconds: float) -> None:
         """A tensor of `nbytes` reached `peer` (acknowledged) after `seconds`."""

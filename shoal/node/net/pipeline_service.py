@@ -31,68 +31,72 @@ Handlers = Mapping[str, Callable[..., Awaitable[Any]]]
 
 
 class EngineService:
-    def __init__(self, handlers: Callable[[], Handlers]):
-        self.handlers = handlers  # the current engine's handlers (none before it is built)
+    """`heard(peer_id)` runs on every call: a peer that asks us something is alive (net/suspects.py)."""
 
-    def _handler(self, name: str) -> Callable[..., Awaitable[Any]] | None:
+    def __init__(self, handlers: Callable[[], Handlers], heard: Callable[[str], Any] = lambda peer_id: None):
+        self.handlers = handlers  # the current engine's handlers (none before it is built)
+        self.heard = heard
+
+    def _handler(self, name: str, peer: PeerID) -> Callable[..., Awaitable[Any]] | None:
+        self.heard(peer.to_base58())
         return self.handlers().get(name)
 
     async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("forward")
+        handler = self._handler("forward", peer)
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_backward(self, request: BackwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("backward")
+        handler = self._handler("backward", peer)
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_recompute(self, request: RecomputeRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("recompute")
+        handler = self._handler("recompute", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node redoes no block stage")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_fetch_output(self, request: OutputRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("fetch_output")
+        handler = self._handler("fetch_output", peer)
         if handler is None:
             return Ack(accepted=False, reason="not ready")
         await handler(request, stream, peer.to_base58())
         return None
 
     async def rpc_abandon(self, notice: AbandonNotice, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("abandon")
+        handler = self._handler("abandon", peer)
         return Ack(accepted=False, reason="not ready") if handler is None else await handler(notice, peer.to_base58())
 
     async def rpc_recover(self, request: RecoverRequest, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("recover")
+        handler = self._handler("recover", peer)
         if handler is None:
             return Ack(accepted=False, reason="not served here")
         return await handler(request, peer.to_base58())
 
     async def rpc_step_close(self, close: StepClose, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("step_close")
+        handler = self._handler("step_close", peer)
         if handler is None:
             return Ack(accepted=False, reason="not served here")
         return await handler(close, peer.to_base58())
 
     async def rpc_gossip(self, request: GossipRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("gossip")
+        handler = self._handler("gossip", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node averages no stage")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: PeerID) -> Ack | None:
-        handler = self._handler("copy_stage")
+        handler = self._handler("copy_stage", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node serves no stage copies")
         await handler(request, stream, peer.to_base58())
         return None
 
     async def rpc_rollouts(self, bundle: RolloutBundle, stream: FramedStream, peer: PeerID) -> Ack:
-        handler = self._handler("rollouts")
+        handler = self._handler("rollouts", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node runs no rollouts")
         return await handler(bundle, peer.to_base58())

@@ -137,8 +137,12 @@ class PipelineEngine:
             n.peer_id == peer_id and n.stage > 0 and (stages is None or n.stage in stages) for n in view.live_nodes()
         )
 
-    def ban(self, peer_id: str) -> None:
+    def ban(self, peer_id: str, error: HopFailed | None = None) -> None:
+        """Route around `peer_id` for a while; where the stream itself failed (not a peer that answered
+        no), suspect it node-wide at once (net/suspects.py)."""
         self.banned_until[peer_id] = time.monotonic() + FAILED_PEER_BAN_S
+        if error is None or not error.refused:
+            self.ctx.suspects.mark(peer_id, str(error) if error is not None else "reported lost by a peer")
 
     def check_activation(self, x: torch.Tensor) -> None:
         batch, seq = x.shape[0], x.shape[1]
@@ -294,7 +298,7 @@ class PipelineEngine:
                 )
                 return
             except HopFailed as e:
-                self.ban(peer)
+                self.ban(peer, e)
                 tried.add(peer)
                 why = str(e)
 
@@ -344,7 +348,7 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
             return request
         except HopFailed as e:
             failures.append(str(e))
-            engine.ban(target)
+            engine.ban(target, e)
             tried.add(target)
             if home:
                 break

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -107,14 +107,25 @@ async def fetch_stage(p2p: Any, peer: str, stage: int, reference: list[torch.Ten
                         header.grad_norm_clipped)  # fmt: skip
 
 
-async def copy_stage(worker: StageHolder) -> str | None:
-    """Copy the most trained active replica of our stage that answers; returns its peer id, or None
-    if the stage has no other active replica (or none gave its weights)."""
+@dataclass
+class CopyAttempt:
+    """What copying our stage came to: whom we copied, and each listed donor that did not give it."""
+
+    source: str | None = None
+    failed: dict[str, str] = field(default_factory=dict)  # peer id -> why
+
+
+async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) -> CopyAttempt:
+    """Copy the most trained active replica of our stage that answers, skipping the donors `attempt`
+    already saw fail. A record outlives its peer by up to its TTL, so a listed replica may be dead:
+    each that fails is noted, for the caller to wait for others or to treat the stage as lost."""
     ctx = worker.ctx
+    attempt = attempt or CopyAttempt()
     view = ctx.view
     if view is None:
-        return None
-    sources = [n for n in view.replicas(worker.stage) if n.state == "active" and n.peer_id != ctx.peer_id]
+        return attempt
+    sources = [n for n in view.replicas(worker.stage)
+               if n.state == "active" and n.peer_id != ctx.peer_id and n.peer_id not in attempt.failed]  # fmt: skip
     ours = [p.detach() for p in worker.module.parameters()]
     for source in sorted(sources, key=lambda n: -n.inner_step):
         try:
@@ -122,12 +133,15 @@ async def copy_stage(worker: StageHolder) -> str | None:
         except Exception as e:
             logger.warning("[%s] could not copy stage %d from %s: %s", ctx.short_id, worker.stage,
                            source.peer_id[-8:], e)  # fmt: skip
+            attempt.failed[source.peer_id] = str(e)[:200] or type(e).__name__
+            ctx.suspects.mark(source.peer_id, f"stage copy failed: {e}")
             continue
         await adopt_stage(worker, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch)
         logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", ctx.short_id, worker.stage,
                     source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch)  # fmt: skip
-        return source.peer_id
-    return None
+        attempt.source = source.peer_id
+        return attempt
+    return attempt
 
 
 async def adopt_stage(

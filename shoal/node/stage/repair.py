@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Collection
 
 import torch
 from hivemind.utils import get_dht_time
@@ -26,34 +27,48 @@ from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild
 logger = logging.getLogger(__name__)
 
 
-def _holders(ctx: NodeContext, stage: int) -> list[NodeInfo]:
-    """Active replicas of `stage` other than us, most trained first."""
+def _holders(ctx: NodeContext, stage: int, dead: Collection[str] = ()) -> list[NodeInfo]:
+    """Active replicas of `stage` other than us and the `dead`, most trained first."""
     view = ctx.view
     if view is None:
         return []
-    found = [n for n in view.replicas(stage) if n.state == STATE_ACTIVE and n.peer_id != ctx.peer_id]
+    found = [n for n in view.replicas(stage)
+             if n.state == STATE_ACTIVE and n.peer_id != ctx.peer_id and n.peer_id not in dead]  # fmt: skip
     return sorted(found, key=lambda n: -n.inner_step)
 
 
-def stage_was_lost(worker: StageHolder) -> bool:
-    """Our stage has no active replica, yet the swarm has trained: its weights went with its last
-    replica (at the start of a run every replica starts from the same seeded weights instead)."""
+def stage_was_lost(worker: StageHolder, dead: Collection[str] = ()) -> bool:
+    """Our stage has no active replica but the `dead` (listed ones that do not answer or did not give
+    their weights), and it had one (a dead one), or the swarm has trained: its weights may have gone
+    with its last replica. Records lag the training by up to a heartbeat, so a stage that had a
+    replica counts as lost until its neighbours say the run never stepped (`repair_stage`)."""
     ctx = worker.ctx
-    if ctx.view is None or _holders(ctx, worker.stage):
+    if ctx.view is None or _holders(ctx, worker.stage, dead):
         return False
-    return any(n.inner_step > 0 for n in ctx.view.live_nodes() if n.peer_id != ctx.peer_id)
+    return bool(dead) or _swarm_trained(ctx, dead)
 
 
-async def repair_stage(worker: StageHolder) -> Repair:
-    """Rebuild our stage from its neighbours by the run's rule; returns what it did, for our record."""
+def _swarm_trained(ctx: NodeContext, dead: Collection[str]) -> bool:
+    view = ctx.view
+    return view is not None and any(
+        n.inner_step > 0 for n in view.live_nodes() if n.peer_id != ctx.peer_id and n.peer_id not in dead
+    )
+
+
+async def repair_stage(worker: StageHolder, dead: Collection[str] = ()) -> Repair | None:
+    """Rebuild our stage from its neighbours by the run's rule; returns what it did, for our record,
+    or None where the neighbours have not stepped either (the run has not: every replica starts
+    from the initialisation). `dead`: listed replicas of ours that are gone (named in the log line)."""
     ctx = worker.ctx
     run = ctx.run
     started = time.monotonic()
     stages = run.pipeline.stages
-    available = {s for s in range(1, stages) if s != worker.stage and _holders(ctx, s)}
+    available = {s for s in range(1, stages) if s != worker.stage and _holders(ctx, s, dead)}
     plan = plan_repair(worker.stage, stages, available, run.repair.rule)
     shapes = [p.detach() for p in worker.module.parameters()]
-    fetched = [got for s in plan.sources if (got := await _fetch_any(ctx, s, shapes)) is not None]
+    fetched = [got for s in plan.sources if (got := await _fetch_any(ctx, s, shapes, dead)) is not None]
+    if all(f.inner_step == 0 for f in fetched) and not _swarm_trained(ctx, dead):
+        return None  # nobody has stepped (or nobody answered, and no record says anyone has)
     inner_step = max((f.inner_step for f in fetched), default=_swarm_step(ctx))  # the first it trains
     notes = [plan.note] if plan.note else []
     missing = sorted(set(plan.sources) - {f.stage for f in fetched})
@@ -79,10 +94,12 @@ async def repair_stage(worker: StageHolder) -> Repair:
         note="; ".join(notes)[:200],
     )
     mix = "/".join(f"{w:.2f}" for w in repaired.mix)
+    gone = f"its listed replica(s) {sorted(p[-8:] for p in dead)} gave no weights" if dead else "had no replica left"
     logger.warning(
-        "[%s] stage %d had no replica left: rebuilt by %s from stage(s) %s%s at inner step %d in %.2f s%s",
+        "[%s] stage %d %s: rebuilt by %s from stage(s) %s%s at inner step %d in %.2f s%s",
         ctx.short_id,
         worker.stage,
+        gone,
         repaired.rule,
         list(repaired.sources),
         f" (mix {mix})" if len(repaired.mix) > 1 else "",
@@ -93,13 +110,16 @@ async def repair_stage(worker: StageHolder) -> Repair:
     return repair
 
 
-async def _fetch_any(ctx: NodeContext, stage: int, reference: list[torch.Tensor]) -> FetchedStage | None:
+async def _fetch_any(
+    ctx: NodeContext, stage: int, reference: list[torch.Tensor], dead: Collection[str] = ()
+) -> FetchedStage | None:
     """The weights of `stage` from the first of its replicas that gives them."""
-    for holder in _holders(ctx, stage):
+    for holder in _holders(ctx, stage, dead):
         try:
             return await fetch_stage(ctx.p2p, holder.peer_id, stage, reference, ctx.config.network.rpc_timeout_s)
         except Exception as e:
             logger.warning("[%s] stage %d from %s for a repair: %s", ctx.short_id, stage, holder.peer_id[-8:], e)
+            ctx.suspects.mark(holder.peer_id, f"stage copy for a repair failed: {e}")
     return None
 
 

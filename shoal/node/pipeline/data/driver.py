@@ -501,7 +501,7 @@ class DataDriver(PipelineEngine):
         try:
             await self.send(target, "rpc_backward", entry.backward, grad)
         except HopFailed as e:
-            self.ban(target)
+            self.ban(target, e)
             entry.recovered.add(target)
             await self._redo_hop(request.microbatch_id, entry, target, str(e))
 

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 # and a forward may overtake that close: it waits this long for the close to arrive (see
 # `_after_previous_close`). A close that does not come by then was lost, and the forward goes ahead.
 CLOSE_OVERTAKEN_WAIT_S = 5.0
+COPY_WAIT_S = 3.0  # after every listed donor failed: how long other replicas may appear to copy from
+COPY_RETRY_S = 0.5
 
 AVERAGERS = {"noloco": NoLoCoAverager, "diloco": DiLoCoAverager}
 
@@ -130,6 +132,7 @@ class StageWorker(PipelineEngine):
         self.hooks = ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
         self.grad_norms = GradNorms()
         self.repair: Repair | None = None  # how this node rebuilt its stage, if it did (CheckFree)
+        self.failed_donors: frozenset[str] = frozenset()  # listed replicas that did not give their weights
         self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
         self.weight_grads: list[asyncio.Future] = []  # W passes queued since the last inner step
         self.closes_heard: dict[str, int] = {}  # per data node: the latest step whose close arrived
@@ -408,7 +411,7 @@ class StageWorker(PipelineEngine):
             if upstream.hop < 0:
                 logger.warning("[%s] %s: its data node did not take the gradient: %s", self.ctx.short_id, mb, e)
                 return
-            self.ban(target)
+            self.ban(target, e)
             try:
                 await self.delegate_recompute(upstream, upstream.hop, grad_in, failed=target, why=str(e))
             except HopFailed as lost:
@@ -644,12 +647,14 @@ class StageWorker(PipelineEngine):
         if self.averager is not None:
             self.averager.load(outer_state_of(state, self.module), state.outer_epoch)
 
-    async def repair_if_lost(self) -> Repair | None:
-        """Our stage has no live replica but the swarm has trained: rebuild it from its neighbours
-        (CheckFree); returns the repair, which our record then announces."""
-        if not stage_was_lost(self):
+    async def repair_if_lost(self, silent: Collection[str] = ()) -> Repair | None:
+        """Our stage has no live replica (none listed, or the listed ones are `silent` or did not give
+        their weights) but the swarm has trained: rebuild it from its neighbours (CheckFree); returns
+        the repair, which our record then announces."""
+        dead = self.failed_donors | frozenset(silent)
+        if not stage_was_lost(self, dead):
             return None
-        self.repair = await repair_stage(self)
+        self.repair = await repair_stage(self, dead)
         return self.repair
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
@@ -657,8 +662,21 @@ class StageWorker(PipelineEngine):
         self.copies_served += 1
 
     async def join_by_copy(self) -> str | None:
-        """Before serving a stage that has a live replica, take its weights; returns whom we copied."""
-        return await copy_stage(self)
+        """Before serving a stage that has a live replica, take its weights; returns whom we copied.
+        A listed donor may be dead (its record outlives it): each that fails is skipped, replicas that
+        appear within COPY_WAIT_S are tried too, and the ones that failed are kept in `failed_donors`,
+        so that a stage none of whose listed replicas answered is repaired, not started fresh."""
+        attempt = await copy_stage(self)
+        deadline = time.monotonic() + COPY_WAIT_S
+        while attempt.source is None and attempt.failed and time.monotonic() < deadline:
+            await asyncio.sleep(COPY_RETRY_S)
+            try:
+                await self.ctx.refresh_view()
+            except Exception as e:
+                logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
+            attempt = await copy_stage(self, attempt)
+        self.failed_donors = frozenset(attempt.failed)
+        return attempt.source
 
     async def work(self) -> dict | None:
         """A stage worker drives nothing: it serves the data nodes' microbatches until stopped."""
