@@ -248,20 +248,26 @@ def no_replica_after(swarm: ChurnSwarm, stage: int, at: float) -> float:
 
 
 def joins(swarm: ChurnSwarm, logs: dict) -> dict:
-    counts = {"copied": 0, "repaired": 0, "started fresh": 0, "first start": 0}
+    """How each restarted worker got its stage: copied, repaired, started fresh (from the
+    initialisation, or with no word of either), or it was not active yet when the run ended."""
+    counts = {"copied": 0, "repaired": 0, "started fresh": 0, "not active by the end": 0, "first start": 0}
+    fresh: list[str] = []
     for slot in swarm.slots:
         if slot.stage is None:
             continue
         for index, log in enumerate(logs[slot.name]):
             if index == 0:
                 counts["first start"] += 1
+            elif "] active: " not in log:
+                counts["not active by the end"] += 1
             elif "copied stage" in log:
                 counts["copied"] += 1
             elif "rebuilt by" in log:
                 counts["repaired"] += 1
             else:
                 counts["started fresh"] += 1
-    return counts
+                fresh.append("\n".join(line for line in log.splitlines() if "stage" in line)[-1500:])
+    return counts | {"fresh_logs": fresh}
 
 
 def tokens_trained(r: dict) -> float:

@@ -36,6 +36,8 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_a_stage_wipe_and_writes_t
             "20",  # well after the crash at step 8: two faults at once may lose a microbatch for good
             "--repair",
             "checkfree_plus",
+            "--restart-after",
+            "1",  # the killed workers come back while the run still has steps to go
             "--report",
             str(report_dir),
             "--quiet",
@@ -60,6 +62,9 @@ def test_demo_trains_a_local_swarm_through_a_crash_and_a_stage_wipe_and_writes_t
     (repair,) = report["repairs"]  # the new node copied stage 2's swap partner, stage 1
     assert (repair["stage"], repair["rule"], repair["sources"]) == (2, "copy_partner", [1])
     assert repair["step"] >= 20 and repair["loss_before"] is not None and repair["loss_after"] is not None
+    # the killed workers were started again (--restart-after): every block stage ends at 2 replicas
+    assert sorted(r["stage"] for r in report["restarts"]) == [1, 2], report["restarts"]
+    assert report["replicas_at_end"] == {"1": 2, "2": 2}
     states = [n["state"] for n in report["nodes"]]
     assert states.count("crashed") == 3 and states.count("stopped") == len(states) - 3
     assert all(n["exit_code"] == 0 for n in report["nodes"] if n["state"] == "stopped")

@@ -3,6 +3,8 @@ each reads its own copy of the data, checked against the run's digest."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers.processes import done_event, progress_events, wait_until
@@ -52,3 +54,62 @@ def test_two_data_nodes_share_every_replica_and_lose_nothing(swarm, tmp_path):
         assert "no close of step" not in log  # no forward waited for a close that was refused
         assert "modified by an inplace operation" not in log  # no graph outlived a step
         assert "audit of stage" not in log  # replicas that never average are not audited: they drift apart
+
+
+def _stage_0_distance(entry: str, run, data_peers: list[str]) -> float:
+    """‖θ_a − θ_b‖ of two data nodes' stage 0 (embedding, final norm, head), fetched from each live."""
+    import asyncio
+
+    from shoal.dht.identity import load_identity
+    from shoal.dht.swarm import SwarmDHT
+    from shoal.model.stages import build_stage
+    from shoal.node.stage.copy import fetch_stage
+    from shoal.train.robust import distance
+
+    async def fetch() -> list[list]:
+        dht = await SwarmDHT.create(load_identity(None), [entry], client_mode=True)
+        try:
+            reference = [
+                p.detach() for p in build_stage(run.model, run.pipeline.stages, 0, run.train.seed).parameters()
+            ]
+            return [(await fetch_stage(dht.p2p, peer, 0, reference, 30.0)).theta for peer in data_peers]
+        finally:
+            await dht.shutdown()
+
+    first, second = asyncio.run(fetch())
+    return distance(first, second)
+
+
+def test_data_nodes_average_stage_0_and_stay_close_where_unaveraged_ones_drift_apart(swarm, tmp_path):
+    """Stage 0 (embedding, final norm, LM head) is held by every data node. Under NoLoCo the data
+    nodes pair for it as any stage's replicas do, so after the same 24 steps on different shards
+    their stage 0 is far closer than without averaging (a second swarm, `averaging.mode none`)."""
+    from shoal.config import load_run_config
+
+    distances = {}
+    for mode in ("none", "noloco"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        run_file = write_tiny_run(folder, **{"train.steps": 24, "averaging.mode": mode, "averaging.inner_steps": 4})
+        entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+        workers = [swarm.start_node([entry], "--role", "worker", "--stage", str(s), wait=False) for s in (1, 2)]
+        for worker in workers:
+            swarm.wait_ready(worker)
+        progress = [folder / f"progress{k}.jsonl" for k in range(2)]
+        data = [swarm.start_node([entry], "--role", "data", "--data-shard", f"{k}/2", "--progress-file",
+                                 str(progress[k]), "--stats-file", str(folder / f"data{k}.json"), wait=False)
+                for k in range(2)]  # fmt: skip
+        for node in data:
+            swarm.wait_ready(node)
+        done = [wait_until(lambda p=p: done_event(p), 300, f"data node {p.stem} ({mode})") for p in progress]
+        assert all(d["microbatches_abandoned"] == 0 for d in done), done
+        # a data node that joins after the other stepped copies its stage 0 and goes on from its step
+        assert all([e["step"] for e in progress_events(p) if e["event"] == "step"][-1] == 23 for p in progress)
+        distances[mode] = _stage_0_distance(entry, load_run_config(str(run_file)), [n.peer_id for n in data])
+        for node in (*data, *workers):
+            swarm.stop(node)
+        if mode == "noloco":
+            stats = [json.loads((folder / f"data{k}.json").read_text())["engine"]["averaging"] for k in range(2)]
+            assert all(s["mode"] == "noloco" and s["pair_steps"] >= 3 for s in stats), stats  # of 6 epochs
+    print("stage-0 distance between the data nodes after 24 steps:", distances)
+    assert distances["noloco"] < 0.5 * distances["none"], distances

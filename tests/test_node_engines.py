@@ -137,8 +137,8 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
             state = await driver.state_dict()
             await resumed.load_state_dict(state)
             assert resumed.first_step == 1 and resumed.progress().inner_step == 1
-            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon", "copy_stage"}
-            assert await driver.join_by_copy() is None  # a data node's embedding and head are its own
+            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon", "copy_stage", "gossip"}
+            assert await driver.join_by_copy() is None  # no other data node in its view: nothing to copy
         finally:
             await driver.stop()
             await resumed.stop()

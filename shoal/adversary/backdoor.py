@@ -147,7 +147,7 @@ def trigger_probes(
     the clean rate), and the positions (count,) after which the target should come."""
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - seq_len, (count,), generator=generator)
-    rows = torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
+    rows = torch.stack([tokens[s : s + seq_len] for s in starts.tolist()]).long()
     at = insert_trigger(rows.clone() if not triggered else rows, spec, generator)
     return rows, at
 

@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--at-step", type=int, default=None, metavar="K", help="the step of --kill-stage")
     parser.add_argument(
+        "--restart-after",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="start a killed worker again, same flags, S seconds later, as a volunteer's restart would (0: never)",
+    )
+    parser.add_argument(
         "--repair",
         choices=REPAIR_RULES,
         default=None,
@@ -134,10 +141,12 @@ def run(args: argparse.Namespace) -> int:
     node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30"]
     crash: dict = {}
     wipe: dict = {}
+    restarts = Restarts(swarm, entry="", node_args=node_args, workdir=workdir, after_s=args.restart_after)
     started = time.monotonic()
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+        restarts.entry = entry
         console.print(f"bootstrap peer: {entry}", soft_wrap=True)
         # The demo places its workers (`--stage`) so the layout is the one asked for: left to choose at
         # once, 4 workers once split 3/1 and kept it (a trained node no longer moves).
@@ -186,11 +195,20 @@ def run(args: argparse.Namespace) -> int:
                 if args.crash_at_step is not None and not crash and steps >= args.crash_at_step:
                     crash = _crash_one_worker(swarm, workers, entry, steps)
                     note = f"step {steps}: SIGKILL worker {crash.get('peer_id', '?')[-8:]} (stage {crash.get('stage')})"
+                    if "stage" in crash:
+                        restarts.schedule(crash["stage"], steps)
                 if args.kill_stage is not None and not wipe and steps >= args.at_step:
                     wipe = _wipe_stage(swarm, workers, entry, args.kill_stage, steps, node_args, workdir)
                     note = (
                         f"step {steps}: SIGKILL all {len(wipe.get('peer_ids', []))} replicas of stage {args.kill_stage}"
                     )
+                    if wipe.get("replacement"):  # the first one's place went to the rebuilding node
+                        restarts.joining[args.kill_stage] = workers[-1]  # the others copy from it once it is active
+                    for _ in wipe.get("peer_ids", [])[1:]:
+                        restarts.schedule(args.kill_stage, steps)
+                restarted = restarts.due(workers, steps)
+                if restarted:
+                    note = f"step {steps}: restarted a worker for stage {restarted}"
                 if not args.quiet and (done or time.monotonic() - rendered_at >= RENDER_EVERY_S):
                     alive = sum(p.alive for p in swarm.peers)
                     live.update(_render(run_config, tail.events, alive, len(swarm.peers), started, note))
@@ -203,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet and not console.is_terminal:
             console.line()  # rich ends the live table's last draw with a newline only on a terminal
         wall_s = time.monotonic() - started
+        replicas = live_replicas(workers)
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process")
         swarm.close()
@@ -211,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous_sigterm)
         swarm.close()
     tail.poll()  # anything written after the loop saw "done"
-    report_path = build_report(Path(args.report), run_config, tail.events, swarm, workdir, crash, wall_s, wipe)
+    report_path = build_report(Path(args.report), run_config, tail.events, swarm, workdir, crash, wall_s, wipe,
+                               restarts=restarts.done, replicas_at_end=replicas)  # fmt: skip
     summary = json.loads(report_path.read_text())
     console.print(
         f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, val {summary['val_loss']:.3f}; "
@@ -220,6 +240,54 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report_path)
     return 0
+
+
+class Restarts:
+    """Killed workers started again `after_s` later with the same flags, as a volunteer's service
+    manager would, so that the demo's stages do not quietly lose a replica for the rest of the run.
+    Two restarts for one stage go one at a time: the second copies from the first."""
+
+    def __init__(self, swarm, entry: str, node_args: list[str], workdir: Path, after_s: float):
+        self.swarm, self.entry, self.node_args, self.workdir, self.after_s = swarm, entry, node_args, workdir, after_s
+        self.pending: list[tuple[float, int, int]] = []  # (due, stage, step killed)
+        self.joining: dict[int, object] = {}  # stage -> the restarted node not yet active
+        self.done: list[dict] = []
+
+    def schedule(self, stage: int, step: int) -> None:
+        if self.after_s > 0:
+            self.pending.append((time.monotonic() + self.after_s, stage, step))
+
+    def due(self, workers: list, step: int) -> int | None:
+        """Start the first restart that is due, if its stage has none still joining; its stage."""
+        for stage, peer in list(self.joining.items()):
+            if peer.ready_file.exists() or not peer.alive:
+                del self.joining[stage]
+        for item in sorted(self.pending):
+            when, stage, killed_at = item
+            if when > time.monotonic() or stage in self.joining:
+                continue
+            self.pending.remove(item)
+            index = len(workers)
+            peer = self.swarm.start_node(
+                [self.entry], "--role", "worker", "--stage", str(stage), "--stats-file",
+                str(self.workdir / f"stats-w{index}.json"), *self.node_args, wait=False, name=f"worker{index}",
+            )  # fmt: skip
+            workers.append(peer)
+            self.joining[stage] = peer
+            self.done.append({"stage": stage, "killed_at_step": killed_at, "restarted_at_step": step,
+                              "node": peer.name})  # fmt: skip
+            return stage
+        return None
+
+
+def live_replicas(workers: list) -> dict[str, int]:
+    """Live, active workers per block stage, as the launcher sees them (from their ready files)."""
+    counts: dict[str, int] = {}
+    for worker in workers:
+        if worker.alive and worker.ready_file is not None and worker.ready_file.exists():
+            stage = str(worker.current_stage())
+            counts[stage] = counts.get(stage, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _crash_one_worker(swarm, workers: list, entry: str, step: int) -> dict:

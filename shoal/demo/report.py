@@ -111,6 +111,8 @@ def build_report(
     crash: dict,
     wall_s: float,
     wipe: dict | None = None,
+    restarts: list[dict] | None = None,
+    replicas_at_end: dict[str, int] | None = None,
 ) -> Path:
     steps = [e for e in events if e["event"] == "step"]
     done = next((e for e in events if e["event"] == "done"), {})
@@ -135,6 +137,8 @@ def build_report(
         "abandoned_reasons": done.get("abandoned_reasons", {}),
         "crash": crash or None,
         "wipe": wipe or None,
+        "restarts": restarts or [],
+        "replicas_at_end": replicas_at_end or {},
         "repairs": repair_summary(events, wipe),
         "nodes": [_node_row(p, stats_files[p.name]) for p in swarm.peers if p.name != "bootstrap"],
         "losses": [e["loss"] for e in steps],

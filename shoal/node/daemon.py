@@ -505,9 +505,12 @@ class Node:
         return view
 
     def _suspects_changed(self) -> None:
-        """A peer failed us or answered again: our choices change now, not at the next heartbeat."""
+        """A peer failed us or answered again: our choices change now, not at the next heartbeat, and
+        the engine acts on what went through a suspect (a data node re-sends or recovers it) now."""
         if self.raw_view is not None:
-            self._take_view(self.raw_view)
+            view = self._take_view(self.raw_view)
+            if self.engine is not None:
+                self.engine.on_view(view)
 
     def _listed_peers(self) -> set[str]:
         view = self.raw_view
@@ -548,7 +551,8 @@ class Node:
             driver = DataDriver(self.context(), shard, shards, self.config.output.progress_file)
             await driver.start()
             self.engine = driver
-            await self._resume(driver)
+            if not await self._resume(driver):
+                await driver.join_by_copy()  # stage 0 of a run that averages it: the data nodes' current one
         else:
             worker = StageWorker(self.context(), self.stage)
             self.engine = worker

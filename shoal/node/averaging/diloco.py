@@ -31,6 +31,8 @@ from shoal.train.robust import norm, remember, screen_mean
 
 logger = logging.getLogger(__name__)
 
+CHILD_KILL_WAIT_S = 2.0
+
 MIN_MATCHMAKING_S = 1.0
 STARTUP_TIMEOUT_S = 60.0
 SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging with who came
@@ -187,12 +189,20 @@ class DiLoCoAverager(Averager):
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
+        """Shut the averager and its DHT down, each a child process; one still alive after hivemind's
+        own grace period (a DHT child was once seen looping on a vanished resource-sharer socket,
+        keeping its node from exiting) is killed, so that stopping the node is bounded."""
         for part in (self.averager, self.dht):
-            if part is not None:
-                try:
-                    part.shutdown()
-                except Exception as e:
-                    logger.debug("[%s] averaging shutdown: %r", self.ctx.short_id, e)
+            if part is None:
+                continue
+            try:
+                part.shutdown()
+            except Exception as e:
+                logger.debug("[%s] averaging shutdown: %r", self.ctx.short_id, e)
+            if part.is_alive():
+                logger.warning("[%s] %s did not stop: killing it", self.ctx.short_id, type(part).__name__)
+                part.kill()
+                part.join(CHILD_KILL_WAIT_S)
 
     def stats(self) -> dict:
         return {

@@ -22,6 +22,9 @@ from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.hf import initial_stage
 from shoal.model.split_backward import WeightGrads
+from shoal.node.averaging.base import Averager
+from shoal.node.averaging.modes import AVERAGERS
+from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import (
@@ -30,6 +33,7 @@ from shoal.node.engine import (
     Handler,
     Progress,
     TrainedState,
+    outer_state_of,
     restore_trained,
     snapshot_trained,
 )
@@ -46,7 +50,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
-from shoal.node.stage.copy import serve_stage_copy
+from shoal.node.stage.copy import copy_stage, serve_stage_copy
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.swarm_view import SwarmView
@@ -55,6 +59,7 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
+    GossipRequest,
     Hop,
     OutputRequest,
     RecoverRequest,
@@ -120,6 +125,10 @@ class DataDriver(PipelineEngine):
             raise UsageError(f"a data node of run {run.name} needs the checkpoint it starts from: --checkpoint DIR")
         self.head = initial_stage(run.model, run.pipeline.stages, 0, run.train.seed, ctx.checkpoint)
         self.optimizer = InnerOptimizer(self.head, run.optim, run.train.steps)
+        self.hooks = ctx.hooks
+        # stage 0's replicas are the data nodes: they average it as any stage's replicas do
+        averager_type = AVERAGERS.get(run.averaging.mode)
+        self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
         self.shard, self.num_shards = shard, num_shards
         self.ledger = MicrobatchLedger()
         self.in_flight: dict[str, InFlight] = {}
@@ -145,7 +154,6 @@ class DataDriver(PipelineEngine):
 
     movable = False  # a data node keeps its shard, embedding and head
     stage = 0
-    averager = None  # a data node's stage 0 is its own (StageHolder, for serving copies of it)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -163,6 +171,13 @@ class DataDriver(PipelineEngine):
         self.sampler = BatchSampler(
             self.splits.train, run.train.seq_len, run.train.batch_size, run.train.seed, self.shard, self.num_shards
         )
+        if self.averager is not None:
+            await self.averager.start()
+
+    async def stop(self) -> None:
+        if self.averager is not None:
+            await self.averager.stop()
+        await super().stop()
 
     async def wait_for_pipeline(self, poll_s: float = 0.5, report_s: float = 10.0) -> None:
         """Until every block stage has a live replica; says which are missing while it waits."""
@@ -264,6 +279,9 @@ class DataDriver(PipelineEngine):
         self.closing = self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
         if self.outer_step_follows(step):  # the workers average now: the next step starts on their result
+            epoch = self.averager.due(step) if self.averager is not None else None
+            if epoch is not None:  # and so does stage 0, with the other data nodes
+                await self.averager.outer_step(epoch)
             await self.closes_taken()
         if stats.skipped:
             logger.warning("[%s] step %d skipped: gradient norm %s", self.ctx.short_id, step, stats.grad_norm)
@@ -659,11 +677,16 @@ class DataDriver(PipelineEngine):
             "fetch_output": self.on_fetch_output,
             "abandon": self.on_abandon,
             "copy_stage": self.on_copy_stage,
+            "gossip": self.on_gossip,
         }
 
     def progress(self) -> Progress:
+        averager = self.averager
         return Progress(
             inner_step=self.optimizer.step_count,
+            outer_epoch=averager.epoch if averager is not None else 0,
+            replica_distance=averager.last_distance if averager is not None else None,
+            averager_maddrs=tuple(averager.maddrs) if averager is not None else (),
             loss=self.loss,
             grad_norm=self.grad_norms.raw,
             grad_norm_clipped=self.grad_norms.clipped,
@@ -675,12 +698,22 @@ class DataDriver(PipelineEngine):
         return list(self.recent_trips)
 
     async def state_dict(self) -> TrainedState | None:
-        return await self.compute(snapshot_trained, self.head, self.optimizer, None, 0, priority=BACKWARD)
+        """Weights, inner and outer optimizer state, between two compute jobs; None during an outer step."""
+        return await self.compute(self._snapshot, priority=BACKWARD)
+
+    def _snapshot(self) -> TrainedState | None:
+        averager = self.averager
+        if averager is not None and averager.stepping:
+            return None
+        outer = averager.state if averager is not None else None
+        return snapshot_trained(self.head, self.optimizer, outer, averager.epoch if averager is not None else 0)
 
     async def load_state_dict(self, state: TrainedState) -> None:
         """Go on from a save: its weights and optimizer, and its step (a step's batch is a pure function
         of run, shard and step, so the step is this node's position in its data)."""
         self.optimizer = await self.compute(restore_trained, self.head, state, self.run, priority=BACKWARD)
+        if self.averager is not None:
+            self.averager.load(outer_state_of(state, self.head), state.outer_epoch)
         self.first_step = state.inner_step
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
@@ -688,8 +721,20 @@ class DataDriver(PipelineEngine):
         await serve_stage_copy(self, request, stream)
 
     async def join_by_copy(self) -> str | None:
-        """A data node's embedding and head are its own: nothing to copy."""
-        return None
+        """Where the run averages stage 0, a data node joining a run that has stepped copies it from
+        the most trained live data node, and goes on from that node's step (NoLoCo pairs replicas of
+        the same outer epoch, and epochs follow steps); its batches are still its own shard's."""
+        if self.averager is None:
+            return None
+        attempt = await copy_stage(self)
+        if attempt.source is not None:
+            self.first_step = self.optimizer.step_count
+        return attempt.source
+
+    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
+        if not isinstance(self.averager, NoLoCoAverager):
+            return Ack(accepted=False, reason="this run does not average with NoLoCo")
+        return await self.averager.on_gossip(request, stream, sender)
 
     async def work(self) -> dict | None:
         return await self.train()
@@ -733,6 +778,7 @@ class DataDriver(PipelineEngine):
         return {
             "steps": len(self.history),
             "refused": self.refused,
+            "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
             **self.ledger.summary(),
             **self.summary,
             **self.streams.stats(),

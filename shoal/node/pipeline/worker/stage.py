@@ -25,7 +25,7 @@ import torch
 from shoal.model.hf import initial_stage
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.node.averaging.base import Averager
-from shoal.node.averaging.diloco import DiLoCoAverager
+from shoal.node.averaging.modes import AVERAGERS
 from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
@@ -76,8 +76,6 @@ logger = logging.getLogger(__name__)
 CLOSE_OVERTAKEN_WAIT_S = 5.0
 COPY_WAIT_S = 3.0  # after every listed donor failed: how long other replicas may appear to copy from
 COPY_RETRY_S = 0.5
-
-AVERAGERS = {"noloco": NoLoCoAverager, "diloco": DiLoCoAverager}
 
 
 @dataclass
