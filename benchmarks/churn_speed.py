@@ -341,6 +341,15 @@ def markdown(result: dict) -> str:
             "| train s |",
             "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
             *rows,
+            "",
+            "*Detection* is the kill to the data node's `suspect` line (net/suspects.py: a dropped connection, "
+            "then an unanswered ping); before suspects, a dead peer stayed in the views until its record "
+            "expired or a send to it failed. A repair happens where both replicas of a stage were down at once "
+            "(a kill within the other's restart); *no replica* is that time. What is left of the lost speed is "
+            "mostly the restarts on the swarm's own two cores (*restart CPU*, about 1 CPU-second each until "
+            "active, and the copy they then serve) and the step in which a kill lands (the p90 and max step "
+            "times). Not side by side: before these changes, a run of this swarm with a kill about every 7 s "
+            "(250 steps) kept 0.40 of its speed and restarted one stage from random weights (issue 36's figures).",
         ]
     )
 
