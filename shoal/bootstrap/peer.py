@@ -16,6 +16,7 @@ from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import collision_report
 from shoal.dht.swarm import SwarmDHT
+from shoal.node.net.health import HealthService
 from shoal.node.net.reachability import ReachService
 from shoal.node.net.transport import serve
 
@@ -44,6 +45,7 @@ class BootstrapPeer:
     ) -> BootstrapPeer:
         dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
         await serve(dht.p2p, ReachService(), who=dht.peer_id[-8:])  # joiners ask it to dial them back
+        await serve(dht.p2p, HealthService(lambda: ("bootstrap", None)), who=dht.peer_id[-8:])  # for diagnoses
         peer = cls(dht, run, record_ttl_s)
         if run is not None:
             await peer._publish_run()

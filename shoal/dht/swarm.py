@@ -7,9 +7,11 @@ peer id in every record it publishes is checkably its own (see identity.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +35,10 @@ from shoal.planning.swarm_view import SwarmView
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+class _JoinFailed(Exception):
+    """The initial peers gave no way into the swarm (this time)."""
 
 
 @asynccontextmanager
@@ -76,6 +82,42 @@ class SwarmDHT:
         startup_timeout_s: float = 30.0,
         use_relay: bool = True,
         use_auto_relay: bool = False,
+        join_timeout_s: float = 0.0,
+    ) -> SwarmDHT:
+        """Start libp2p and the DHT node and join through `initial_peers`, trying again with backoff
+        for `join_timeout_s` (0: once). A join that never worked raises UsageError with one line per
+        initial peer saying what was found there (shoal/dht/diagnose.py)."""
+        deadline = time.monotonic() + join_timeout_s
+        delay = 1.0
+        while True:
+            try:
+                return await cls._create_once(identity, initial_peers, host_maddrs, announce_maddrs, client_mode,
+                                              startup_timeout_s, use_relay, use_auto_relay)  # fmt: skip
+            except _JoinFailed as failed:
+                if time.monotonic() + delay >= deadline:
+                    cause = failed
+                    break
+                logger.info("could not join through the initial peers (%s): again in %.0f s", failed, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 8.0)
+        from shoal.dht.diagnose import diagnose_all
+
+        verdicts = await diagnose_all(list(initial_peers))
+        lines = "\n".join(f"  {v.line()}" for v in verdicts)
+        waited = f" in {join_timeout_s:g} s" if join_timeout_s else ""
+        raise UsageError(f"could not join the swarm{waited} ({cause}); each initial peer:\n{lines}") from None
+
+    @classmethod
+    async def _create_once(
+        cls,
+        identity: Identity,
+        initial_peers: Sequence[str],
+        host_maddrs: Sequence[str],
+        announce_maddrs: Sequence[str],
+        client_mode: bool,
+        startup_timeout_s: float,
+        use_relay: bool,
+        use_auto_relay: bool,
     ) -> SwarmDHT:
         try:
             async with _key_file(identity) as key_path:
@@ -93,7 +135,7 @@ class SwarmDHT:
                 )
         except Exception as e:
             if initial_peers and "bootstrap" in str(e):
-                raise UsageError(f"none of the --initial-peers answered ({', '.join(initial_peers)})") from e
+                raise _JoinFailed("none of them answered") from e
             raise UsageError(f"could not start the libp2p daemon: {e}") from e
         try:
             node = await DHTNode.create(
@@ -108,7 +150,7 @@ class SwarmDHT:
             )
         except Exception as e:
             await p2p.shutdown()
-            raise UsageError(f"could not join the swarm through {', '.join(initial_peers)}: {e}") from e
+            raise _JoinFailed(f"no DHT answered through them: {str(e).splitlines()[0][:120]}") from e
         if p2p.peer_id.to_base58() != identity.peer_id:  # records would name a peer their key does not own
             await node.shutdown()
             await p2p.shutdown()

@@ -68,6 +68,10 @@ class NetworkOptions:
         None, "identity file, created on first use; keeps the peer id across restarts", flag="--identity",
         metavar="PATH",
     )  # fmt: skip
+    join_timeout_s: float = option(
+        30.0, "keep trying the initial peers this long, then say what each one is and exit 2", flag="--join-timeout",
+        metavar="S",
+    )  # fmt: skip
     use_relay: bool = option(True, "do not use libp2p's relay transport at all", flag="--no-relay", negate=True)
     use_auto_relay: bool = option(
         False, "behind NAT: find relay peers and be reachable through them (libp2p circuit relay)",

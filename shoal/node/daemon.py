@@ -225,6 +225,7 @@ class Node:
             config.network.announce_maddrs,
             use_relay=config.network.use_relay,
             use_auto_relay=config.network.use_auto_relay,
+            join_timeout_s=config.network.join_timeout_s,
         )
         metrics: MetricsServer | None = None
         try:

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, metavar="NAME[@RUN_ID]", help="the run to show")
     parser.add_argument("--run-config", default=None, metavar="FILE", help="or the run in this TOML file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--join-timeout", type=float, default=30.0, metavar="S",
+                        help="keep trying the initial peers this long, then say what each one is (exit 2)")  # fmt: skip
 
 
 def _stage_list(stages: list[int]) -> str:
@@ -174,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     lookup = NodeConfig(run=RunChoice(run_name=args.run, run_config_path=args.run_config))
 
     async def main() -> dict[str, Any]:
-        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)
+        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True,
+                                    join_timeout_s=args.join_timeout)  # fmt: skip
         try:
             run_config = await resolve_run(dht, lookup)
             return summarize(run_config, await dht.read_view(run_config))

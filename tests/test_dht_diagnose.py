@@ -1,0 +1,101 @@
+"""A join that explains itself: each initial peer's fault, found for real on loopback (a closed port,
+the wrong peer id, a stock hivemind DHT peer, a peer of another protocol version), one line each,
+from `shoal doctor` and from a node whose join fails."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shoal.dht.diagnose import diagnose, diagnose_all
+from shoal.protocol.messages import Ping, Pong
+from shoal.protocol.version import PROTOCOL_VERSION
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once it is closed
+
+
+def _doctor(*maddrs: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal.cli", "doctor", "--timeout", "3", "--initial-peers", *maddrs],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_doctor_names_each_peers_fault_in_one_line(swarm):
+    from hivemind.dht import DHT
+
+    entry = swarm.start_bootstrap().maddrs[0]
+    stock = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # a plain hivemind DHT peer, its own process
+    try:
+        stock_maddr = str(stock.get_visible_maddrs()[0])
+        other_id = stock_maddr.rsplit("/p2p/", 1)[1]
+        wrong_id = entry.rsplit("/p2p/", 1)[0] + f"/p2p/{other_id}"
+        closed = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{other_id}"
+        done = _doctor(entry, wrong_id, closed, stock_maddr, "/ip4/127.0.0.1/tcp/1")
+    finally:
+        stock.shutdown()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 5, done.stdout
+    assert lines[0].startswith(f"ok    {entry}: answers: a shoal peer (bootstrap), protocol {PROTOCOL_VERSION}")
+    assert "connected, but the peer there is " in lines[1] and f"not the {other_id} the address names" in lines[1]
+    assert "TCP refused at 127.0.0.1:" in lines[2] and "nothing listens there" in lines[2]
+    assert "does not speak shoal" in lines[3]
+    assert "not a multiaddress of the form" in lines[4]
+    assert all(line.startswith("FAIL  ") for line in lines[1:])
+    ok = _doctor(entry)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok    ")
+
+
+def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():
+    from hivemind.p2p import P2P
+
+    from shoal.node.net.transport import serve
+
+    class NewerHealth:
+        async def rpc_ping(self, request: Ping, stream: object, peer: object) -> Pong:
+            return Pong(sent_at=request.sent_at, nonce=request.nonce, peer_state="active", stage=1,
+                        protocol_version=PROTOCOL_VERSION + 1)  # fmt: skip
+
+    def no_such_name(host, port, family):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")  # no DNS query leaves the machine
+
+    async def main():
+        newer = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        try:
+            await serve(newer, NewerHealth(), who="newer")
+            maddr = str((await newer.get_visible_maddrs())[0])  # with its /p2p/ part
+            (version,) = await diagnose_all([maddr], timeout_s=5.0)
+            named = await diagnose(None, f"/dns4/swarm.example/tcp/31337/p2p/{newer.peer_id}", resolve=no_such_name)
+            return version, named
+        finally:
+            await newer.shutdown()
+
+    version, named = asyncio.run(main())
+    assert version.cause == "version", version
+    assert f"speaks shoal protocol {PROTOCOL_VERSION + 1}, this shoal speaks {PROTOCOL_VERSION}" in version.detail
+    assert "runs a newer shoal" in version.detail
+    assert named.cause == "does not resolve" and "swarm.example does not resolve" in named.detail
+
+
+def test_a_node_that_cannot_join_says_why_for_each_initial_peer_and_exits_2(swarm):
+    entry = swarm.start_bootstrap().maddrs[0]
+    peer_id = entry.rsplit("/p2p/", 1)[1]
+    closed = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{peer_id}"
+    started = time.monotonic()
+    node = swarm.start_node([closed], "--join-timeout", "3", wait=False)
+    node.process.wait(timeout=90)
+    took = time.monotonic() - started
+    log = node.log()
+    assert node.process.returncode == 2 and "Traceback" not in log, log[-2000:]
+    assert "could not join the swarm in 3 s" in log and f"{closed}: TCP refused at 127.0.0.1:" in log
+    assert took < 60, took  # the retries stop at the timeout; the start-up and the diagnosis take the rest
