@@ -45,6 +45,7 @@ from datetime import datetime
 from pathlib import Path
 
 from docs_section import wall_time, write_section
+from pipeline_efficiency import cpu_seconds
 
 from shoal.config import load_run_config
 from shoal.demo.launcher import LocalSwarm, Peer, done_event, progress_events
@@ -54,7 +55,6 @@ RESULTS = ROOT / "benchmarks" / "results" / "churn_speed.json"
 TTL = "15"
 RESTART_S = 3.0
 CORES = 2
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -74,14 +74,6 @@ def first_line(log: str, pattern: str, after: float = 0.0) -> tuple[float, str] 
             if at >= after:
                 return at, line
     return None
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
 @dataclass

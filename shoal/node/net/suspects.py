@@ -59,12 +59,10 @@ class Suspects:
         return True
 
     def keep_only(self, peer_ids: set[str]) -> None:
-        """Forget suspects no longer listed at all: their records expired, nothing to leave out."""
-        gone = [p for p in self._marked if p not in peer_ids]
-        for peer in gone:
+        """Forget suspects no longer listed at all: their records expired, nothing to leave out. No
+        `on_change`: the caller takes the view this comes from next anyway."""
+        for peer in [p for p in self._marked if p not in peer_ids]:
             del self._marked[peer]
-        if gone:
-            self._changed()
 
     def current(self) -> frozenset[str]:
         return frozenset(self._marked)

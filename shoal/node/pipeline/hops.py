@@ -16,11 +16,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from shoal.logs import printable
+from shoal.node.averaging.base import Averager
+from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKGROUND, ComputeThread
 from shoal.node.engine import AbandonReason
 from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.errors import BadTensor
-from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, OutputRequest, RecomputeRequest
+from shoal.protocol.pipeline import (
+    Ack,
+    BackwardRequest,
+    ForwardRequest,
+    GossipRequest,
+    Hop,
+    OutputRequest,
+    RecomputeRequest,
+)
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:
@@ -76,7 +86,10 @@ class Traffic:
 
 
 class PipelineEngine:
-    """What stage workers and data nodes share: compute thread, wire format, sending, bans."""
+    """What stage workers and data nodes share: compute thread, wire format, sending, bans, and the
+    averager of the stage they hold (built by each, once its module and optimizer exist)."""
+
+    averager: Averager | None = None
 
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx
@@ -318,7 +331,14 @@ class PipelineEngine:
         for peer in restarted:
             self.banned_until.pop(peer, None)
 
+    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
+        if not isinstance(self.averager, NoLoCoAverager):
+            return Ack(accepted=False, reason="this run does not average with NoLoCo")
+        return await self.averager.on_gossip(request, stream, sender)
+
     async def stop(self) -> None:
+        if self.averager is not None:
+            await self.averager.stop()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -24,7 +24,6 @@ from shoal.model.hf import initial_stage
 from shoal.model.split_backward import WeightGrads
 from shoal.node.averaging.base import Averager
 from shoal.node.averaging.modes import AVERAGERS
-from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import (
@@ -59,7 +58,6 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
-    GossipRequest,
     Hop,
     OutputRequest,
     RecoverRequest,
@@ -173,11 +171,6 @@ class DataDriver(PipelineEngine):
         )
         if self.averager is not None:
             await self.averager.start()
-
-    async def stop(self) -> None:
-        if self.averager is not None:
-            await self.averager.stop()
-        await super().stop()
 
     async def wait_for_pipeline(self, poll_s: float = 0.5, report_s: float = 10.0) -> None:
         """Until every block stage has a live replica; says which are missing while it waits."""
@@ -730,11 +723,6 @@ class DataDriver(PipelineEngine):
         if attempt.source is not None:
             self.first_step = self.optimizer.step_count
         return attempt.source
-
-    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
-        if not isinstance(self.averager, NoLoCoAverager):
-            return Ack(accepted=False, reason="this run does not average with NoLoCo")
-        return await self.averager.on_gossip(request, stream, sender)
 
     async def work(self) -> dict | None:
         return await self.train()

@@ -26,7 +26,6 @@ from shoal.model.hf import initial_stage
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.node.averaging.base import Averager
 from shoal.node.averaging.modes import AVERAGERS
-from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKWARD, FORWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import (
@@ -57,7 +56,6 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
-    GossipRequest,
     Hop,
     OutputRequest,
     RecomputeRequest,
@@ -580,11 +578,6 @@ class StageWorker(PipelineEngine):
         await self.listed(peer_id)  # reads the view afresh (at most so often) when it lacks the peer
         return lists()
 
-    async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
-        if not isinstance(self.averager, NoLoCoAverager):
-            return Ack(accepted=False, reason="this run does not average with NoLoCo")
-        return await self.averager.on_gossip(request, stream, sender)
-
     async def start(self) -> None:
         """Start what averaging needs beside our streams (DiLoCo: hivemind's averager), once this
         worker holds its weights; an experiment's attack is made ready first."""
@@ -595,11 +588,6 @@ class StageWorker(PipelineEngine):
                            self.hooks.stage_attack_name)  # fmt: skip
         if self.averager is not None:
             await self.averager.start()
-
-    async def stop(self) -> None:
-        if self.averager is not None:
-            await self.averager.stop()
-        await super().stop()
 
     def handlers(self) -> Mapping[str, Handler]:
         return {
