@@ -21,6 +21,7 @@ from shoal.protocol.errors import MalformedMessage
 from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # pipeline.compute_dtype (shoal/device.py)
 DEFAULT_MODEL = ModelConfig()
 # ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults
 IMPORTED_MODEL_FIELDS = ("n_kv_heads", "qkv_bias", "tie_embeddings", "checkpoint", "tokenizer")
@@ -40,6 +41,9 @@ class ConfigError(ValueError):
 class PipelineConfig:
     stages: int = 3  # stage 0 (embedding, head, loss) + block stages 1..S-1
     wire_dtype: str = "float32"  # dtype of activations and gradients between peers
+    # matrix products' precision on each node: auto (bf16 autocast where the device has it, float32
+    # elsewhere: CPUs, pre-Ampere GPUs), float32, or bfloat16 (autocast on any device, the CPU included)
+    compute_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ class RunConfig:
         if self.defense == PipelineDefenseConfig():
             del data["defense"]
         del data["train"]["eval_every"]
+        if self.pipeline.compute_dtype == "auto":  # each node's own device decides: as before it existed
+            del data["pipeline"]["compute_dtype"]
         for key in IMPORTED_MODEL_FIELDS:  # at their defaults: the run ids from before they existed
             if data["model"][key] == getattr(DEFAULT_MODEL, key):
                 del data["model"][key]
@@ -349,6 +355,7 @@ def _validate(cfg: RunConfig) -> None:
         f"{p.stages - 1} block stages but only {m.n_layers} blocks (model.n_layers)",
     )
     need(p.wire_dtype in WIRE_DTYPES, "pipeline.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}")
+    need(p.compute_dtype in COMPUTE_DTYPES, "pipeline.compute_dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}")
     need(t.seq_len <= m.max_seq_len, "train.seq_len", f"exceeds model.max_seq_len ({m.max_seq_len})")
     need(
         t.batch_size % t.microbatch_size == 0,

@@ -22,7 +22,9 @@ def record(**changes) -> dict:
         "state": "active", "block_throughput": 3.0, "max_inflight": 8, "inner_step": 4, "outer_epoch": 0,
         "loss": None, "grad_norm": None, "grad_norm_clipped": None, "repair": None, "waiting_for": [], "links": [],
         "replica_distance": None, "averager_maddrs": [], "model_id": None, "reachable": None, "excluded": [],
-        "protocol_version": 5, "started_at": time.time(), "updated_at": time.time(),
+        "device": {"kind": "cpu", "name": "test cpu", "total_bytes": 2**34, "free_bytes": 2**33,
+                   "planned_bytes": 2**33, "tokens_per_s": 1e5, "compute_dtype": "float32"},
+        "placement_note": None, "protocol_version": 5, "started_at": time.time(), "updated_at": time.time(),
     }  # fmt: skip
     return {**base, **changes}
 

@@ -84,3 +84,18 @@ def test_nodes_that_see_the_same_view_do_not_all_move_at_once():
                  stages=3)  # fmt: skip
     moves = {f"j{i}": choose_stage(view, _me(f"j{i}", started=2.0 + i, current=2)) for i in range(3)}
     assert moves == {"j0": 2, "j1": 2, "j2": 1}
+
+
+def test_a_node_takes_only_a_stage_its_memory_holds():
+    """The data role, an empty stage and the bottleneck are all passed over when they do not fit."""
+    blocks_only = Candidate("me", 10.0, 100.0, stages_that_fit=frozenset({1, 2, 3}))
+    assert choose_stage(_view(), blocks_only) in (1, 2, 3)  # no data node yet, but stage 0 does not fit
+    view = _view(_node("d", 0), _node("a", 1), _node("c", 3))
+    assert choose_stage(view, _me()) == 2
+    assert choose_stage(view, Candidate("me", 10.0, 100.0, stages_that_fit=frozenset({1, 3}))) in (1, 3)
+    bottleneck = _view(_node("d", 0), _node("a", 1, 30), _node("b", 2, 5), _node("c", 3, 30))
+    assert choose_stage(bottleneck, Candidate("me", 10.0, 100.0, stages_that_fit=frozenset({0, 1, 3}))) in (1, 3)
+    # holding a stage that no longer fits (a smaller --memory-limit after a restart): it moves
+    assert choose_stage(bottleneck, Candidate("me", 10.0, 100.0, "auto", 2, frozenset({1, 3}))) in (1, 3)
+    # only stage 0 fits: one more data node, even where the swarm has one
+    assert choose_stage(view, Candidate("me", 10.0, 100.0, stages_that_fit=frozenset({0}))) == 0

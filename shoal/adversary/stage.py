@@ -32,13 +32,13 @@ SCALE = 20.0
 def garbage_like(t: torch.Tensor, generator: torch.Generator, bound: float) -> torch.Tensor:
     """Gaussian noise with `t`'s RMS over its last dimension (per token), within ±`bound`."""
     rms = t.detach().float().pow(2).mean(-1, keepdim=True).sqrt() if t.dim() else t.detach().float().abs()
-    noise = torch.randn(t.shape, generator=generator) * rms
+    noise = torch.randn(t.shape, generator=generator).to(t.device) * rms
     return noise.clamp(-bound, bound).to(t.dtype)
 
 
 def garbage_of_norm(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Gaussian noise with the same overall L2 norm as `t`."""
-    noise = torch.randn(t.shape, generator=generator)
+    noise = torch.randn(t.shape, generator=generator).to(t.device)
     return (noise * (t.detach().float().norm() / noise.norm().clamp_min(1e-30))).to(t.dtype)
 
 

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="where every node computes: auto (default: the first CUDA device, else MPS, else the CPU), cpu, cuda, "
+        "cuda:N or mps (the nodes share it)",
+    )
+    parser.add_argument(
         "--crash-at-step",
         type=int,
         default=None,
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     run_file.write_text(run_config.to_toml())
     progress = workdir / "progress.jsonl"
     swarm = LocalSwarm(workdir)
-    node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30"]
+    node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30",
+                 "--device", args.device]  # fmt: skip
     crash: dict = {}
     wipe: dict = {}
     restarts = Restarts(swarm, entry="", node_args=node_args, workdir=workdir, after_s=args.restart_after)

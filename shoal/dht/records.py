@@ -18,6 +18,7 @@ from shoal.planning.swarm_view import (
     STATE_ACTIVE,
     STATE_JOINING,
     STATE_LEAVING,
+    DeviceNote,
     NodeInfo,
     RepairNote,
 )
@@ -86,6 +87,21 @@ class ExclusionRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceRecord:
+    """Where a node computes (shoal/device.py): the device's kind and name, its memory (an
+    accelerator's; the host's for the CPU) total and free now, what the node planned its stage in, its
+    measured tokens/s through one block there, and the precision its matrix products run in."""
+
+    kind: str = wire_field(min_len=1, max_len=16, pattern=r"[a-z]+")  # torch's device type
+    name: str = wire_field(min_len=1, max_len=80)
+    total_bytes: int = wire_field(ge=0, le=2**60)
+    free_bytes: int = wire_field(ge=0, le=2**60)
+    planned_bytes: int = wire_field(ge=0, le=2**60)
+    tokens_per_s: float = _measure()
+    compute_dtype: str = wire_field(choices=("float32", "bfloat16"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodeRecord:
     kind: str = wire_field(choices=("node",))
     run_id: str = _id()
@@ -116,6 +132,9 @@ class NodeRecord:
     excluded: tuple[ExclusionRecord, ...] = wire_field(max_len=MAX_EXCLUDED)
     # GRPO: the policy a rollout worker samples with (PolicySpec.model_id); None for pipeline nodes
     model_id: str | None = wire_field(min_len=1, max_len=96, pattern=r"[A-Za-z0-9._-]+")
+    device: DeviceRecord
+    # why memory kept this node off the stage it would have taken ("stage 2 needs ~9.1 GiB, ...")
+    placement_note: str | None = wire_field(max_len=200)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +181,8 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         model_id=record.model_id,
         reachable=record.reachable,
         excluded=tuple((e.peer_id, e.reason) for e in record.excluded),
+        device=DeviceNote(**dataclasses.asdict(record.device)),
+        placement_note=record.placement_note,
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

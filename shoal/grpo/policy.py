@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.device import autocast
 from shoal.grpo.tasks import get_task
 from shoal.grpo.tokenizer import CharTokenizer, CheckpointTokenizer, PolicyTokenizer
 from shoal.model.config import ModelConfig
@@ -121,13 +122,25 @@ class Policy(nn.Module):
         tokenizer: PolicyTokenizer = spec.tokenizer()
         self.pad_id = tokenizer.pad_id
         self._masked = torch.tensor([tokenizer.pad_id]) if tokenizer.masks_padding else None
+        self.compute_dtype: torch.dtype | None = None  # autocast's dtype on the policy's device (shoal/device.py)
 
     @property
     def model_id(self) -> str:
         return self.spec.model_id
 
+    def place(self, device: torch.device, compute_dtype: torch.dtype | None) -> Policy:
+        """Compute on `device`, in `compute_dtype` autocast there (None: float32)."""
+        self.compute_dtype = compute_dtype
+        return self.to(device)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.head.logits(self.body(self.head.embed(tokens)))  # (B, T, V)
+        """Logits (float32) where `tokens` are: the decoder runs on the policy's device, and the GRPO
+        math over its log-probs (sampling, advantages, the loss, the defenses) stays in host memory,
+        where it is a small share of the work and runs the same on every node."""
+        device = self.head.embedding.weight.device
+        with autocast(device, self.compute_dtype):
+            logits = self.head.logits(self.body(self.head.embed(tokens.to(device))))  # (B, T, V)
+        logits = logits.float().to(tokens.device)
         return logits if self._masked is None else logits.index_fill(-1, self._masked, float("-inf"))
 
 

@@ -129,7 +129,10 @@ def hf_tensors(cfg: ModelConfig, head: HeadStage, stages: Iterable[BlockStage]) 
                 continue  # the embedding; transformers ties it back from config.json
             values = state[name].split(sizes, dim=0) if len(parts) == 3 else (state[name],)
             out.update(zip(parts, values, strict=True))
-    return {name: value.detach().to(torch.float32).contiguous().clone() for name, value in out.items()}
+    return {
+        name: value.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        for name, value in out.items()
+    }
 
 
 def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

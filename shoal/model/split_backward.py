@@ -55,8 +55,11 @@ class WeightGrads:
     pending: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]
 
     def accumulate(self) -> None:
+        """As Linear's backward: under autocast the product runs in the output's (half) precision, as
+        autograd's would, and lands in the weight's dtype."""
         for weight, output_grad, layer_input in self.pending:
-            add_grad(weight, output_grad.flatten(0, -2).t().mm(layer_input.flatten(0, -2)))  # as Linear's backward
+            grad = output_grad.flatten(0, -2).t().mm(layer_input.flatten(0, -2).to(output_grad.dtype))
+            add_grad(weight, grad.to(weight.dtype))
         self.pending = []
 
 

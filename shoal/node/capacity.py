@@ -1,62 +1,125 @@
-"""What this machine can give the run: measured forward+backward speed, and in-flight memory."""
+"""What this machine can give the run: measured forward+backward speed on its device, the memory that
+device has, and what a stage would take of it (planning/memory.py)."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
 from shoal.config import RunConfig
+from shoal.device import DeviceInfo, autocast, autocast_dtype, synchronize
 from shoal.model.llama import BlockStage
+from shoal.model.stages import stage_layers
+from shoal.planning.memory import GIB, StageMemory, stage_memory
+from shoal.planning.memory import inflight_budget as memory_inflight_budget
 
-MEMORY_SHARE = 0.25  # of the memory available now, what in-flight activations may take
+MEMORY_SHARE = 0.25  # of the memory a stage's fixed part leaves, what in-flight activations may take
 MAX_INFLIGHT_CAP = 256
 
 
-def measure_block_throughput(run: RunConfig, repeats: int = 5, window_s: float = 0.25, most: int = 50) -> float:
-    """Microbatches x blocks per second of forward+backward: one block, one microbatch.
+def measure_block_throughput(
+    run: RunConfig,
+    repeats: int = 5,
+    window_s: float = 0.25,
+    most: int = 50,
+    device: torch.device | None = None,
+) -> float:
+    """Microbatches x blocks per second of forward+backward: one block, one microbatch, on `device`
+    (default the CPU) in the run's compute precision there.
 
     Passes are timed for at least `window_s` (at least `repeats` passes, at most `most`), and the
     speed is that of the faster quartile's edge. Nodes that start together measure while the others
     import and measure too: the median of five quick passes read 154-944 blocks/s on the same 2 cores,
     and routing and stage choice weigh replicas by it. A burst slows a few passes of a longer window;
     a machine busy all along slows them all, and the measure still says so."""
+    device = device or torch.device("cpu")
+    dtype = autocast_dtype(device, run.pipeline.compute_dtype)
     m, t = run.model, run.train
-    stage = BlockStage(m, range(0, 1), seed=run.train.seed)
-    x = torch.randn(t.microbatch_size, t.seq_len, m.d_model)
+    stage = BlockStage(m, range(0, 1), seed=run.train.seed).to(device)
+    x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, device=device)
     timings: list[float] = []
     first = time.perf_counter()
     while len(timings) < most and (len(timings) < repeats or time.perf_counter() - first < window_s):
         started = time.perf_counter()
         x_in = x.detach().requires_grad_(True)
-        stage(x_in).backward(torch.ones_like(x))
+        with autocast(device, dtype):
+            y = stage(x_in)
+        y.backward(torch.ones_like(y))
+        synchronize(device)
         timings.append(time.perf_counter() - started)
     timings = timings[1:]  # the first pass warms up allocators and kernels
     return 1.0 / statistics.quantiles(timings, n=4)[0]
 
 
-def activation_bytes_per_block(run: RunConfig) -> int:
-    """An upper estimate of what backward keeps per block for one microbatch (float32)."""
+def tokens_per_s(run: RunConfig, block_throughput: float) -> float:
+    """The same speed in tokens: a microbatch's tokens through one block, forward and backward, per second."""
+    return block_throughput * run.train.microbatch_size * run.train.seq_len
+
+
+def stage_need(run: RunConfig, stage: int) -> StageMemory:
+    """What holding `stage` of this run takes (planning/memory.py), at its largest sequence length."""
+    blocks = len(stage_layers(run.model.n_layers, run.pipeline.stages, stage))
+    averages = run.averaging.mode != "none"
+    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages)
+
+
+def memory_for_stages(info: DeviceInfo, limit_gib: float | None) -> int:
+    """The memory this node plans its stage in: its device's free memory, or `--memory-limit` if less."""
+    if limit_gib is None:
+        return info.free_bytes
+    return min(info.free_bytes, int(limit_gib * GIB))
+
+
+def inflight_budget(run: RunConfig, stage: int, free_bytes: int) -> int:
+    return memory_inflight_budget(stage_need(run, stage), free_bytes, MEMORY_SHARE, MAX_INFLIGHT_CAP)
+
+
+def measure_stage_peak(run: RunConfig, stage: int, max_inflight: int, device: torch.device) -> int:
+    """Bytes a stage took at its peak: built, `max_inflight` forwards held at once, their backwards
+    (B, then W, as a worker runs them) and an inner step, with the outer optimizer's state if the run
+    averages. On the CPU this reads the process's peak resident set against its size at the call, so
+    it means something only in a fresh process whose earlier peak was not higher (the tests run it so)."""
+    from shoal.device import memory_in_use, peak_memory_bytes, reset_peak_memory
+    from shoal.model.split_backward import input_grad_first, recording_linears
+    from shoal.model.stages import build_stage
+    from shoal.train.inner import InnerOptimizer
+    from shoal.train.outer import OuterState
+
+    reset_peak_memory(device)
+    before = memory_in_use(device)
+    dtype = autocast_dtype(device, run.pipeline.compute_dtype)
     m, t = run.model, run.train
-    tokens = t.microbatch_size * t.seq_len
-    per_token = 12 * m.d_model + 4 * m.ffn_hidden  # norms, q/k/v, attention out, residuals, SwiGLU
-    attention = t.microbatch_size * m.n_heads * t.seq_len * t.seq_len  # attention weights, math kernel
-    return 4 * (tokens * per_token + attention)
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def inflight_budget(run: RunConfig, blocks: int) -> int:
-    per_microbatch = max(1, activation_bytes_per_block(run) * max(1, blocks))
-    return max(1, min(MAX_INFLIGHT_CAP, int(available_memory_bytes() * MEMORY_SHARE) // per_microbatch))
+    module = build_stage(m, run.pipeline.stages, stage, t.seed).to(device)
+    optimizer = InnerOptimizer(module, run.optim, t.steps)
+    outer = OuterState.from_module(module) if run.averaging.mode != "none" else None
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the second round runs with AdamW's moments allocated, as every later step does
+        held = []
+        for _ in range(max_inflight):
+            if stage == 0:
+                tokens = torch.randint(0, m.vocab_size, (t.microbatch_size, t.seq_len), generator=generator)
+                with autocast(device, dtype):
+                    held.append(module.embed(tokens.to(device)))
+                continue
+            x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, generator=generator).to(device)
+            x.requires_grad_(True)
+            with torch.enable_grad(), recording_linears(module) as calls, autocast(device, dtype):
+                held.append((x, module(x), calls))
+        for item in held:
+            if stage == 0:
+                targets = torch.randint(0, m.vocab_size, (t.microbatch_size, t.seq_len), generator=generator)
+                x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, generator=generator).to(device)
+                with autocast(device, dtype):
+                    _, _, weight_grads = module.loss_and_input_grad(x, targets.to(device))
+                item.backward(torch.ones_like(item))
+            else:
+                x, y, calls = item
+                _, weight_grads = input_grad_first(module, x, y, torch.ones_like(y), calls)
+            weight_grads.accumulate()
+        del held
+        optimizer.step()
+    synchronize(device)
+    del outer
+    return max(0, peak_memory_bytes(device) - before)

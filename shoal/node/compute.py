@@ -14,6 +14,7 @@ up), and the thread CPU seconds it took (less than end - start when other proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import sys
@@ -40,7 +41,16 @@ def name_os_thread(name: str) -> None:
 
 
 class ComputeThread:
-    def __init__(self, name: str = "compute", trace_path: str | None = None):
+    """`job_context`: entered around every job, on this thread (autocast is thread-local: the node's
+    compute precision, shoal/device.py, is set here and nowhere else)."""
+
+    def __init__(
+        self,
+        name: str = "compute",
+        trace_path: str | None = None,
+        job_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        self._job_context = job_context
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115 (closed at shutdown)
@@ -56,7 +66,8 @@ class ComputeThread:
             loop, future, fn, args = job
             started, cpu_started = time.monotonic(), time.thread_time()
             try:
-                result = fn(*args)
+                with self._job_context():
+                    result = fn(*args)
             except BaseException as e:  # handed to the awaiting coroutine, never lost
                 loop.call_soon_threadsafe(_settle, future, None, e)
             else:

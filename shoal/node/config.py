@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from shoal.config import ConfigError
+from shoal.device import check_device_spec
 from shoal.options import add_option_groups, from_args, option
 
 ROLES = ("auto", "data", "worker", "rollout")
@@ -154,6 +155,18 @@ class LimitOptions:
         "torch threads for this node (default: every core it may use; give 1 when nodes share a machine)",
         flag="--threads",
     )
+    device: str = option(
+        "auto",
+        "where to compute: auto (default: the first CUDA device, else Apple MPS, else the CPU), cpu, cuda, cuda:N "
+        "or mps",
+        flag="--device",
+    )
+    memory_limit_gib: float | None = option(
+        None,
+        "the most memory this node's stage may take, in GiB (default: what its device has free at start)",
+        flag="--memory-limit",
+        metavar="GIB",
+    )
     max_inflight: int | None = option(
         None, "microbatches to hold activations for (default: from free memory)", flag="--max-inflight"
     )
@@ -175,6 +188,8 @@ class LimitOptions:
 
     def __post_init__(self) -> None:
         _need(self.threads is None or self.threads >= 1, "--threads", "must be at least 1")
+        _need(check_device_spec(self.device) is None, "--device", check_device_spec(self.device) or "")
+        _need(self.memory_limit_gib is None or self.memory_limit_gib > 0, "--memory-limit", "must be positive GiB")
         _need(self.max_inflight is None or self.max_inflight >= 1, "--max-inflight", "must be at least 1")
         _need(self.microbatch_timeout_s > 0, "--microbatch-timeout", "must be positive")
         _need(self.stage_wait_s >= 0, "--stage-wait", "must be zero or more seconds")

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from shoal.config import RunConfig
 from shoal.model.checkpoint import Checkpoint
 from shoal.node.config import NodeConfig
@@ -40,6 +42,8 @@ class NodeContext:
     read_view: Callable[[], Awaitable[SwarmView]]  # a fresh view from the DHT (the node observes it)
     publish: Callable[[], Awaitable[Any]]  # publish the node's record now
     hooks: Hooks
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where it computes (shoal/device.py)
+    compute_dtype: torch.dtype | None = None  # autocast's dtype there (None: float32)
     checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
     suspects: Suspects = field(default_factory=Suspects)  # peers that just failed us (net/suspects.py)
 

@@ -18,19 +18,22 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
+import torch
 from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig, load_run_config, load_run_source
+from shoal.device import DeviceError, autocast_dtype, choose_device, describe, peak_memory_bytes, resident_bytes
 from shoal.dht.identity import load_identity
 from shoal.dht.records import MAX_RECORD_NUMBER
 from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.files import atomic_write
+from shoal.logs import printable
 from shoal.model.checkpoint import Checkpoint, verify
-from shoal.model.stages import stage_layers
 from shoal.node import capacity
 from shoal.node.config import NodeConfig
 from shoal.node.context import NodeContext
@@ -51,6 +54,8 @@ from shoal.node.rollout.worker import RolloutWorker
 from shoal.node.state.keeper import Holder, StateKeeper
 from shoal.planning.assignment import Candidate
 from shoal.planning.costs import CostModel
+from shoal.planning.memory import fits, gib, policy_memory
+from shoal.planning.memory import refusal as memory_refusal
 from shoal.planning.observed import observed_view
 from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import (
@@ -72,15 +77,6 @@ SETTLE_ROUNDS = 3
 JOIN_PING_TIMEOUT_S = 3.0
 MEMORY_SAMPLE_S = 2.0
 MAX_MEMORY_SAMPLES = 4000
-
-
-def resident_bytes() -> int:
-    """Current resident set size of this process."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
@@ -188,9 +184,22 @@ def published_number(value: float | None, cap: float = MAX_RECORD_NUMBER) -> flo
 
 
 class Node:
-    def __init__(self, config: NodeConfig, dht: SwarmDHT, run: RunConfig, block_throughput: float):
+    def __init__(
+        self,
+        config: NodeConfig,
+        dht: SwarmDHT,
+        run: RunConfig,
+        block_throughput: float,
+        device: torch.device | None = None,
+    ):
         self.config, self.dht, self.run = config, dht, run
         self.block_throughput = block_throughput
+        self.device = device or torch.device("cpu")
+        self.compute_dtype = autocast_dtype(self.device, run.pipeline.compute_dtype)
+        self.device_info = describe(self.device)
+        # the memory this node plans its stage in: its device's free memory at start, or --memory-limit
+        self.memory_bytes = capacity.memory_for_stages(self.device_info, config.limits.memory_limit_gib)
+        self.placement_note: str | None = None  # why memory kept this node off the stage it would have taken
         self.started_at = float(get_dht_time())
         self.state = STATE_JOINING
         self.stage: int | None = None
@@ -215,7 +224,14 @@ class Node:
         self.metrics: MetricsServer | None = None
 
     @classmethod
-    async def create(cls, config: NodeConfig) -> Node:
+    async def create(cls, config: NodeConfig, device: torch.device | None = None) -> Node:
+        """`device`: where it computes, already chosen (`shoal node` chooses before it starts anything);
+        by default the one `--device` names."""
+        if device is None:
+            try:
+                device = choose_device(config.limits.device)
+            except DeviceError as e:
+                raise UsageError(str(e)) from None
         keeper = StateKeeper.open(config.state.state_dir, config.state.save_every_s) if config.state.state_dir else None
         identity = load_identity(config.identity_file)
         dht = await SwarmDHT.create(
@@ -235,13 +251,15 @@ class Node:
                 keeper.load(run, dht.peer_id)  # a corrupt or foreign state is refused before anything starts
             if (config.placement.role == "rollout") != (run.mode == "grpo") and config.placement.role != "auto":
                 raise UsageError(f"--role {config.placement.role}: run {run.name} is a {run.mode} run")
+            loop = asyncio.get_running_loop()
             throughput = (
                 0.0  # a rollout worker holds no stage: nothing to measure
                 if run.mode == "grpo"
-                else await asyncio.get_running_loop().run_in_executor(None, capacity.measure_block_throughput, run)
+                else await loop.run_in_executor(None, partial(capacity.measure_block_throughput, run, device=device))
             )
-            checkpoint = await asyncio.get_running_loop().run_in_executor(None, run_checkpoint, run, config)
-            node = cls(config, dht, run, throughput)
+            checkpoint = await loop.run_in_executor(None, run_checkpoint, run, config)
+            node = cls(config, dht, run, throughput, device)
+            logger.info("[%s] %s", node.short_id, node.describe_device())
             node.checkpoint = checkpoint
             node.keeper = keeper
             node.metrics = metrics = await serve_node_metrics(node)
@@ -268,20 +286,48 @@ class Node:
         return ROLE_DATA if self.stage == 0 else ROLE_WORKER
 
     def choose_stage(self) -> int:
-        """The stage to hold now: the one given by --stage, else the swarm's choice (none: 0, for rollouts)."""
+        """The stage to hold now: the one given by --stage, else the swarm's choice among the stages that
+        fit this node's memory (none: 0, for rollouts)."""
         if self.role == ROLE_ROLLOUT:
             return 0
+        fitting = self.stages_that_fit()
         if self.config.placement.stage is not None:
-            if self.config.placement.stage >= self.run.pipeline.stages:
-                raise UsageError(
-                    f"--stage {self.config.placement.stage}: run {self.run.name} has block stages "
-                    f"1..{self.run.pipeline.stages - 1}"
-                )
-            return self.config.placement.stage
+            stage = self.config.placement.stage
+            if stage >= self.run.pipeline.stages:
+                last = self.run.pipeline.stages - 1
+                raise UsageError(f"--stage {stage}: run {self.run.name} has block stages 1..{last}")
+            if stage not in fitting:
+                raise UsageError(f"--stage {stage}: {self._refusal(stage)}")
+            return stage
         assert self.view is not None
         blocks = max(1, self.view.blocks_per_stage[1]) if self.view.stages > 1 else 1
         forward_s = blocks / max(self.block_throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
-        return self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
+        chosen = self.router.place(self.view, self.candidate(fitting), forward_s, self.max_inflight)
+        if len(fitting) < self.run.pipeline.stages:
+            wanted = self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
+            note = f"{self._refusal(wanted)}: taking stage {chosen}" if wanted != chosen else None
+            if note is not None and note != self.placement_note:
+                logger.warning("[%s] %s", self.short_id, note)
+            self.placement_note = note
+        return chosen
+
+    def stages_that_fit(self) -> frozenset[int]:
+        """The stages this node's memory holds (with --max-inflight microbatches, else one), or exit 2
+        naming the smallest one's need when none does."""
+        inflight = self.config.limits.max_inflight or 1
+        role = self.config.placement.role
+        first = 1 if role == ROLE_WORKER else 0
+        candidates = [0] if role == ROLE_DATA else range(first, self.run.pipeline.stages)
+        need = {s: capacity.stage_need(self.run, s) for s in candidates}
+        fitting = frozenset(s for s in candidates if fits(need[s], self.memory_bytes, inflight))
+        if not fitting:
+            smallest = min(candidates, key=lambda s: need[s].total(inflight))
+            limited = "" if self.config.limits.memory_limit_gib is None else " (--memory-limit)"
+            raise UsageError(f"no stage of run {self.run.name} fits this node: {self._refusal(smallest)}{limited}")
+        return fitting
+
+    def _refusal(self, stage: int) -> str:
+        return memory_refusal(capacity.stage_need(self.run, stage), self.memory_bytes)
 
     def _placement_seen(self) -> str:
         """What a stage choice rested on, for the log: this node's speed and the holders it saw."""
@@ -311,6 +357,8 @@ class Node:
             hooks=self.hooks,
             checkpoint=self.checkpoint,
             suspects=self.suspects,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
         )
 
     def progress(self) -> Progress:
@@ -326,13 +374,14 @@ class Node:
     def handlers(self) -> Mapping[str, Handler]:
         return self.engine.handlers() if self.engine is not None else {}
 
-    def candidate(self) -> Candidate:
+    def candidate(self, fitting: frozenset[int] | None = None) -> Candidate:
         return Candidate(
             peer_id=self.peer_id,
             block_throughput=self.block_throughput,
             started_at=self.started_at,
             role=self.config.placement.role,
             current_stage=self.stage,
+            stages_that_fit=fitting,
         )
 
     def record(self) -> dict:
@@ -366,6 +415,31 @@ class Node:
             "model_id": progress.model_id,
             "reachable": self.reachable,
             "excluded": list(progress.excluded),  # [{peer_id, reason}], bounded by the engine
+            "device": self.device_record(),
+            "placement_note": self.placement_note,
+        }
+
+    def describe_device(self) -> str:
+        """One line on where this node computes, for its log at start."""
+        info = self.device_info
+        precision = "bf16 autocast" if self.compute_dtype == torch.bfloat16 else "float32"
+        limit = "" if self.config.limits.memory_limit_gib is None else f", --memory-limit {gib(self.memory_bytes)}"
+        speed = capacity.tokens_per_s(self.run, self.block_throughput)
+        return (f"computing on {self.device} ({info.name}: {gib(info.total_bytes)}, {gib(info.free_bytes)} free"
+                f"{limit}) in {precision}, {speed:,.0f} tokens/s through a block")  # fmt: skip
+
+    def device_record(self) -> dict:
+        """Where this node computes, with its memory now (the accelerator's; the host's on the CPU) and
+        its measured speed there."""
+        info = describe(self.device)
+        return {
+            "kind": info.kind,
+            "name": printable(info.name, 80) or info.kind,
+            "total_bytes": int(info.total_bytes),
+            "free_bytes": int(min(info.free_bytes, info.total_bytes)),
+            "planned_bytes": int(self.memory_bytes),
+            "tokens_per_s": float(published_number(capacity.tokens_per_s(self.run, self.block_throughput)) or 0.0),
+            "compute_dtype": "bfloat16" if self.compute_dtype == torch.bfloat16 else "float32",
         }
 
     async def publish(self) -> bool:
@@ -381,8 +455,8 @@ class Node:
         if stage != self.stage:
             logger.info("[%s] takes stage %d (%s)", self.short_id, stage, self._placement_seen())
         self.stage = stage
-        blocks = len(stage_layers(self.run.model.n_layers, self.run.pipeline.stages, stage))
-        self.max_inflight = self.config.limits.max_inflight or capacity.inflight_budget(self.run, max(1, blocks))
+        budget = capacity.inflight_budget(self.run, stage, self.memory_bytes)
+        self.max_inflight = self.config.limits.max_inflight or budget
 
     async def _start(self) -> None:
         self._maddrs = await self.dht.visible_maddrs()
@@ -443,6 +517,12 @@ class Node:
         else:
             spec = PolicySpec(task=self.run.grpo.task, d_model=p.width, n_layers=p.depth, n_heads=p.heads,
                               seed=p.seed, warmup_steps=p.warmup_steps)  # fmt: skip
+        g = self.run.grpo
+        rows = g.prompts_per_round * g.group_size * (1 + g.max_peers)  # its own samples and its peers' at most
+        need = policy_memory(spec.model_config(), rows, spec.model_config().max_seq_len)
+        if not fits(need, self.memory_bytes):
+            limited = "" if self.config.limits.memory_limit_gib is None else " (--memory-limit)"
+            raise UsageError(f"{memory_refusal(need, self.memory_bytes)}{limited}")
         worker = RolloutWorker(self.context(), spec, Path(p.cache) if p.cache else cache_dir() / "grpo")
         await worker.start()
         self.stage, self.engine = 0, worker
@@ -666,6 +746,8 @@ class Node:
             "block_throughput": self.block_throughput,
             "max_inflight": self.max_inflight,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "device": str(self.device),
+            "device_peak_bytes": peak_memory_bytes(self.device),  # torch's on an accelerator, the RSS peak on a CPU
             "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
             "traffic": engine.traffic_counts() if engine else {},
             "engine": engine.stats() if engine else {},

@@ -183,17 +183,22 @@ class Engine(Protocol):
 def snapshot_trained(
     module: torch.nn.Module, optimizer: InnerOptimizer, outer: OuterState | None, outer_epoch: int
 ) -> TrainedState:
-    """A copy of a module's weights with its inner (and outer) optimizer state, taken between compute jobs."""
+    """A copy, in host memory, of a module's weights with its inner (and outer) optimizer state, taken
+    between compute jobs."""
     adamw = optimizer.adamw.state_dict()["state"]
     return TrainedState(
         inner_step=optimizer.step_count,
         outer_epoch=outer_epoch,
         lr_scale=float(optimizer.lr_scale),
-        weights=tuple(p.detach().to(torch.float32, copy=True) for p in module.parameters()),
-        inner={"state": {i: {k: v.detach().clone() for k, v in entry.items()} for i, entry in adamw.items()}},
-        phi=None if outer is None else tuple(p.clone() for p in outer.phi),
-        momentum=None if outer is None else tuple(m.clone() for m in outer.momentum),
+        weights=tuple(_host_copy(p, torch.float32) for p in module.parameters()),
+        inner={"state": {i: {k: _host_copy(v) for k, v in entry.items()} for i, entry in adamw.items()}},
+        phi=None if outer is None else tuple(_host_copy(p) for p in outer.phi),
+        momentum=None if outer is None else tuple(_host_copy(m) for m in outer.momentum),
     )
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=dtype or t.dtype, copy=True)
 
 
 def restore_trained(module: torch.nn.Module, state: TrainedState, run: RunConfig) -> InnerOptimizer:
@@ -210,8 +215,10 @@ def restore_trained(module: torch.nn.Module, state: TrainedState, run: RunConfig
 
 
 def outer_state_of(state: TrainedState, module: torch.nn.Module) -> OuterState:
-    """The slow weights a restored replica averages from: the saved ones, or (saved by a run that did
-    not average) the weights themselves, as for a fresh replica."""
+    """The slow weights a restored replica averages from, on the module's device: the saved ones, or
+    (saved by a run that did not average) the weights themselves, as for a fresh replica."""
     if state.phi is not None and state.momentum is not None:
-        return OuterState(phi=state.phi, momentum=state.momentum)
+        device = next(module.parameters()).device
+        return OuterState(phi=tuple(p.to(device) for p in state.phi),
+                          momentum=tuple(m.to(device) for m in state.momentum))  # fmt: skip
     return OuterState.from_module(module)

@@ -26,6 +26,10 @@ class Candidate:
     started_at: float
     role: str = "auto"  # "data", "worker" or "auto"
     current_stage: StageIndex | None = None
+    stages_that_fit: frozenset[StageIndex] | None = None  # those its memory holds (None: every stage)
+
+    def fits(self, stage: StageIndex) -> bool:
+        return self.stages_that_fit is None or stage in self.stages_that_fit
 
 
 def _seniority(node: NodeInfo | Candidate) -> tuple[float, str]:
@@ -56,7 +60,7 @@ def _tie_break(peer_id: PeerID, stage: StageIndex) -> bytes:
 def takes_data_role(view: SwarmView, me: Candidate, min_data_nodes: int = 1) -> bool:
     if me.role == ROLE_DATA:
         return True
-    if me.role != "auto":
+    if me.role != "auto" or not me.fits(0):
         return False
     if me.current_stage == 0:
         return not _outranked(view, me, 0, min_data_nodes)
@@ -67,7 +71,9 @@ def choose_stage(view: SwarmView, me: Candidate, hysteresis: float = 0.2, min_da
     """The stage this node should hold now, given the live swarm (which may include itself)."""
     if takes_data_role(view, me, min_data_nodes):
         return 0
-    block_stages = range(1, view.stages)
+    block_stages = [s for s in range(1, view.stages) if me.fits(s)]
+    if not block_stages:
+        return 0  # only stage 0 fits its memory: one more data node
     current = me.current_stage if me.current_stage in block_stages else None
     empty = [s for s in block_stages if not view.replicas(s, exclude=me.peer_id)]
     if current is not None:
@@ -85,7 +91,7 @@ def choose_stage(view: SwarmView, me: Candidate, hysteresis: float = 0.2, min_da
 
     def bottleneck_if(stage: StageIndex | None) -> float:
         rates = []
-        for s in block_stages:
+        for s in range(1, view.stages):
             rate = view.stage_throughput(s, exclude=me.peer_id)
             if s == stage:
                 rate += me.block_throughput / max(1, view.blocks_per_stage[s])

@@ -189,7 +189,8 @@ class PeerRouter:
         (assignment.py), so simultaneous joiners converge; a node that already holds a block stage
         keeps the hysteresis rule there. Otherwise the policy places it (GWTF: where re-planned
         routes gain the most; SWARM: the stage with the least compute)."""
-        if self.policy.name == "capacity" or takes_data_role(view, me) or me.current_stage not in (None, 0):
+        limited = me.stages_that_fit is not None and len(me.stages_that_fit) < view.stages
+        if self.policy.name == "capacity" or limited or takes_data_role(view, me) or me.current_stage not in (None, 0):
             return choose_stage(view, me)
         if any(not view.replicas(s, exclude=me.peer_id) for s in range(1, view.stages)):
             return choose_stage(view, me)

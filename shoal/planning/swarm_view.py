@@ -34,6 +34,19 @@ class RepairNote:
 
 
 @dataclass(frozen=True)
+class DeviceNote:
+    """Where a node computes, as its record says (dht/records.py DeviceRecord)."""
+
+    kind: str  # torch's device type
+    name: str
+    total_bytes: int
+    free_bytes: int
+    planned_bytes: int  # the memory it planned its stage in (free at start, or its --memory-limit)
+    tokens_per_s: float  # through one block, forward and backward
+    compute_dtype: str  # "float32" or "bfloat16"
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     peer_id: PeerID
     role: str  # ROLE_DATA (stage 0), ROLE_WORKER (a block stage) or ROLE_ROLLOUT (GRPO, stage 0)
@@ -61,6 +74,8 @@ class NodeInfo:
     # peers it stopped trusting, with the reason: excluded from a data node's routes by its audits, or
     # refused as averaging partners by a worker's robust outer step
     excluded: tuple[tuple[PeerID, str], ...] = ()
+    device: DeviceNote | None = None
+    placement_note: str | None = None  # why memory kept it off the stage it would have taken
 
     @property
     def live(self) -> bool:

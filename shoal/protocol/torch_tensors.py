@@ -84,11 +84,13 @@ def frames_to_tensor(
     spec: TensorSpec,
     compute_dtype: torch.dtype | None = torch.float32,
     max_bytes: int = MAX_TENSOR_BYTES,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Rebuild a received tensor, checked against ``spec``, size and finiteness.
 
     The result owns its memory (``payload`` can be reused or released). ``compute_dtype=None`` keeps
-    the wire dtype.
+    the wire dtype. On an accelerator ``device``, the checked bytes are copied there once, straight
+    from the received buffer.
     """
     spec.check(meta)
     if meta.nbytes > max_bytes:
@@ -108,6 +110,8 @@ def frames_to_tensor(
     if meta.dtype in FLOAT_DTYPES and not all_finite(x, spec.max_abs):
         bound = "" if spec.max_abs is None else f" or values beyond ±{spec.max_abs:g}"
         raise BadTensor(f"{meta.describe()} has NaN or Inf values{bound}")
+    if device is not None and device.type != "cpu":
+        return x.to(device=device, dtype=compute_dtype or wire)
     if compute_dtype is not None and compute_dtype != wire:
         return x.to(compute_dtype)
     return x if owned else x.clone()

@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--report", default="report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where to compute: auto (default: the first CUDA device, else MPS, else the CPU), cpu, cuda, cuda:N "
+        "or mps",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--export", default=None, metavar="DIR", help="also write the trained model as a Hugging Face checkpoint"
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from shoal.device import DeviceError, choose_device
     from shoal.model.data import load_token_splits
     from shoal.report import write_report
     from shoal.train.reference import ReferenceTrainer
@@ -96,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
+    try:
+        device = choose_device(args.device)
+    except DeviceError as e:
+        raise UsageError(str(e)) from None
     checkpoint = None
     if source.checkpoint_dir is not None:
         from shoal.model.checkpoint import verify
@@ -103,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = verify(source.checkpoint_dir, run_config.model)
     tokenizer_file = checkpoint.tokenizer_file if checkpoint is not None else None
     splits = load_token_splits(run_config.data, run_config.model.vocab_size, tokenizer_file)
-    trainer = ReferenceTrainer(run_config, splits, checkpoint)
+    trainer = ReferenceTrainer(run_config, splits, checkpoint, device)
     columns = [
         TextColumn("[bold]train"),
         BarColumn(),
@@ -129,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         "params": result.params,
         "train_wall_s": result.wall_s,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        "compute_dtype": str(trainer.compute_dtype or torch.float32).removeprefix("torch."),
         "data": {
             "source": splits.source,
             "train_tokens": len(splits.train),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.config import RunConfig
+from shoal.device import autocast, autocast_dtype, to_device
 from shoal.model.checkpoint import Checkpoint
 from shoal.model.data import BatchSampler, TokenSplits, validation_batches
 from shoal.model.hf import load_stage_weights
@@ -44,17 +45,26 @@ class TrainResult:
 
 
 class ReferenceTrainer:
-    def __init__(self, run: RunConfig, splits: TokenSplits, checkpoint: Checkpoint | None = None):
-        """`checkpoint`: the one a run imported from a checkpoint starts from (verified by the caller)."""
+    def __init__(
+        self,
+        run: RunConfig,
+        splits: TokenSplits,
+        checkpoint: Checkpoint | None = None,
+        device: torch.device | None = None,
+    ):
+        """`checkpoint`: the one a run imported from a checkpoint starts from (verified by the caller).
+        `device` (default the CPU): where it computes, with the run's compute precision there, as a node."""
         if run.model.checkpoint and checkpoint is None:
             raise ValueError(f"run {run.name} starts from a checkpoint: pass it")
         self.run = run
         self.splits = splits
+        self.device = device or torch.device("cpu")
+        self.compute_dtype = autocast_dtype(self.device, run.pipeline.compute_dtype)
         self.head, self.blocks = build_all_stages(run.model, run.pipeline.stages, run.train.seed)
         if checkpoint is not None:
             for module in (self.head, *self.blocks):
                 load_stage_weights(module, run.model, checkpoint)
-        modules = [self.head, *self.blocks]
+        modules = [m.to(self.device) for m in (self.head, *self.blocks)]
         self.optimizers = [InnerOptimizer(m, run.optim, run.train.steps) for m in modules]
         self.sampler = BatchSampler(splits.train, run.train.seq_len, run.train.batch_size, run.train.seed)
         self.params = sum(p.numel() for m in modules for p in m.parameters())
@@ -63,10 +73,12 @@ class ReferenceTrainer:
     def train_step(self, step: int) -> float:
         """One optimizer step over `batch_size` sequences, in microbatches; returns the mean loss."""
         inputs, targets = self.sampler.batch(step)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         n_micro = self.run.microbatches_per_step
         total = 0.0
         for mb_inputs, mb_targets in zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True):
-            loss = forward_route(self.head, self.blocks, mb_inputs, mb_targets, self.wire_dtype)
+            with autocast(self.device, self.compute_dtype):
+                loss = forward_route(self.head, self.blocks, mb_inputs, mb_targets, self.wire_dtype)
             (loss / n_micro).backward()
             total += float(loss.detach())
         for optimizer in self.optimizers:
@@ -76,7 +88,7 @@ class ReferenceTrainer:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits for `tokens` (B, T), in full precision: no wire cast between stages."""
-        x = self.head.embed(tokens)
+        x = self.head.embed(to_device(tokens, self.device))
         for stage in self.blocks:
             x = stage(x)
         return self.head.logits(x)
@@ -84,10 +96,11 @@ class ReferenceTrainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         t = self.run.train
-        losses = [
-            float(forward_route(self.head, self.blocks, x, y, self.wire_dtype))
-            for x, y in validation_batches(self.splits.val, t.seq_len, t.batch_size, t.eval_batches)
-        ]
+        losses = []
+        for x, y in validation_batches(self.splits.val, t.seq_len, t.batch_size, t.eval_batches):
+            with autocast(self.device, self.compute_dtype):
+                x, y = to_device(x, self.device), to_device(y, self.device)
+                losses.append(float(forward_route(self.head, self.blocks, x, y, self.wire_dtype)))
         if not losses:
             raise ValueError("validation split too small for one batch")
         return sum(losses) / len(losses)
@@ -98,7 +111,7 @@ class ReferenceTrainer:
         train_s = 0.0
         for step in range(self.run.train.steps):
             started = time.perf_counter()
-            loss = self.train_step(step)
+            loss = self.train_step(step)  # float(loss) waits for the device
             elapsed = time.perf_counter() - started
             train_s += elapsed
             lr = self.optimizers[0].adamw.param_groups[0]["lr"]

@@ -100,7 +100,7 @@ class DiLoCoAverager(Averager):
         self.dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         self._maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.averager = DecentralizedAverager(
-            [torch.zeros_like(p) for p in self.state.phi],
+            [torch.zeros(p.shape, dtype=p.dtype) for p in self.state.phi],  # hivemind averages host tensors
             dht=self.dht,
             prefix=f"shoal_{self.ctx.run.run_id}_stage{self.worker.stage}",
             target_group_size=None,

@@ -236,7 +236,7 @@ class NoLoCoAverager(Averager):
         tensors = []
         for reference in (*self.state.phi, *self.state.phi):
             spec = TensorSpec(WIRE_DTYPE, tuple(reference.shape))
-            tensors.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4))
+            tensors.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4, device=reference.device))
         half = len(self.state.phi)
         phi, delta = tensors[:half], tensors[half:]
         try:

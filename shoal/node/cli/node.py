@@ -31,11 +31,17 @@ def run(args: argparse.Namespace) -> int:
     config = NodeConfig.from_args(args)
     import torch
 
+    from shoal.device import DeviceError, choose_device
+    from shoal.errors import UsageError
     from shoal.node.cli.runtime import run_daemon
     from shoal.node.daemon import Node
 
     if config.limits.threads is not None:
         torch.set_num_threads(config.limits.threads)
+    try:
+        device = choose_device(config.limits.device)  # a device this machine lacks: one line, before anything starts
+    except DeviceError as e:
+        raise UsageError(str(e)) from None
     if not config.network.initial_peers:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
 
@@ -46,4 +52,4 @@ def run(args: argparse.Namespace) -> int:
         if node.metrics is not None:
             print(f"metrics on {node.metrics.url}", flush=True)
 
-    return run_daemon(lambda: Node.create(config), announce, config.limits.exit_timeout_s)
+    return run_daemon(lambda: Node.create(config, device), announce, config.limits.exit_timeout_s)

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from shoal.node.cli.node import add_network_arguments
+from shoal.planning.memory import gib
 from shoal.planning.swarm_view import SwarmView
 
 
@@ -92,6 +93,8 @@ def summarize(run, view) -> dict[str, Any]:
                 "repair": None if n.repair is None else asdict(n.repair),
                 "reachable": n.reachable,
                 "excluded": [{"peer_id": peer, "reason": reason} for peer, reason in n.excluded],
+                "device": None if n.device is None else asdict(n.device),
+                "placement_note": n.placement_note,
             }
         )
     stages = [
@@ -119,6 +122,12 @@ def exclusions(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def device_label(device: dict[str, Any]) -> str:
+    """`cuda NVIDIA H200 bf16`, `cpu AMD EPYC`: kind, name, and the precision where it is not float32."""
+    precision = " bf16" if device["compute_dtype"] == "bfloat16" else ""
+    return f"{device['kind']} {device['name'][:24]}{precision}"
+
+
 def print_table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -126,13 +135,16 @@ def print_table(doc: dict[str, Any]) -> None:
 
     run = doc["run"]
     table = Table(title=f"run {run['name']}@{run['run_id']}: {len(doc['nodes'])} nodes, {run['stages']} stages")
-    for column in ("peer", "role", "stage", "mb/s", "state", "inner step", "loss", "age"):
-        table.add_column(column, justify="right" if column not in ("peer", "role", "state") else "left")
+    for column in ("peer", "role", "stage", "device", "memory free", "mb/s", "state", "inner step", "loss", "age"):
+        table.add_column(column, justify="left" if column in ("peer", "role", "device", "state") else "right")
     for n in doc["nodes"]:
+        device = n.get("device")
         table.add_row(
             "…" + n["peer_id"][-10:],
             n["role"],
             str(n["stage"]),
+            Text("-" if device is None else device_label(device)),  # the name is the peer's text
+            "-" if device is None else f"{gib(device['free_bytes'])} / {gib(device['total_bytes'])}",
             f"{n['throughput']:.1f}",
             n["state"],
             str(n["inner_step"]),
@@ -143,6 +155,9 @@ def print_table(doc: dict[str, Any]) -> None:
     console.print(table)
     covered = ", ".join(f"{s['stage']}:{s['replicas']}" for s in doc["stages"])
     console.print(f"replicas per stage  {covered}")
+    for n in doc["nodes"]:
+        if n.get("placement_note"):
+            console.print(Text(f"…{n['peer_id'][-10:]} {n['placement_note']}", style="yellow"))
     unreachable = [n for n in doc["nodes"] if n["reachable"] is False]
     for n in unreachable:
         console.print(f"…{n['peer_id'][-10:]} is not reachable: peers could not open a connection to it (see its log)")

@@ -116,16 +116,22 @@ class FramedStream:
         """Send a torch tensor as a header frame and raw chunk frames, after the `leading` messages and
         in the same write as its first chunk; returns the tensor's bytes. Each further chunk is a write
         of its own, with the stream's deadline for each."""
-        from shoal.protocol.torch_tensors import tensor_to_frames
+        from shoal.device import to_host
+        from shoal.protocol.torch_tensors import TORCH_DTYPES, tensor_to_frames
 
+        if tensor.device.type != "cpu" and wire_dtype in TORCH_DTYPES:  # cast on the device: fewer bytes to copy
+            tensor = to_host(tensor.detach().to(TORCH_DTYPES[wire_dtype]))
         header, chunks = tensor_to_frames(tensor, wire_dtype)
         await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]])
         for chunk in chunks[1:]:
             await self.write_frames((chunk,))
         return header.nbytes
 
-    async def read_tensor(self, spec: TensorSpec, compute_dtype: Any = None, max_bytes: int | None = None) -> Any:
-        """Receive one tensor, checked against `spec`, its declared size and finiteness."""
+    async def read_tensor(
+        self, spec: TensorSpec, compute_dtype: Any = None, max_bytes: int | None = None, device: Any = None
+    ) -> Any:
+        """Receive one tensor, checked against `spec`, its declared size and finiteness, onto `device`
+        (default: host memory)."""
         import torch
 
         from shoal.protocol.torch_tensors import frames_to_tensor
@@ -136,7 +142,7 @@ class FramedStream:
         while not assembler.done:
             assembler.add(await self.read_frame(CHUNK_BYTES))
         payload = assembler.finish()
-        return frames_to_tensor(header.meta, payload, spec, compute_dtype=compute_dtype or torch.float32)
+        return frames_to_tensor(header.meta, payload, spec, compute_dtype=compute_dtype or torch.float32, device=device)
 
     @property
     def reusable(self) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from shoal.device import compute_context
 from shoal.logs import printable
 from shoal.node.averaging.base import Averager
 from shoal.node.averaging.noloco import NoLoCoAverager
@@ -95,7 +96,12 @@ class PipelineEngine:
         self.ctx = ctx
         self.run = ctx.run
         self.wire_dtype = self.run.pipeline.wire_dtype
-        self.compute_thread = ComputeThread(f"compute-{ctx.short_id}", trace_path=ctx.config.output.compute_trace)
+        self.device = ctx.device
+        self.compute_thread = ComputeThread(
+            f"compute-{ctx.short_id}",
+            trace_path=ctx.config.output.compute_trace,
+            job_context=lambda: compute_context(ctx.device, ctx.compute_dtype),
+        )
         self.traffic = Traffic()
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -166,7 +172,7 @@ class PipelineEngine:
             )
 
     async def read_activation(self, stream: FramedStream) -> torch.Tensor:
-        x = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes)
+        x = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes, device=self.device)
         self.check_activation(x)
         self.traffic.tensors_received += 1
         self.traffic.bytes_received += x.numel() * DTYPE_SIZES[self.wire_dtype]

@@ -173,7 +173,9 @@ class RolloutWorker:
     async def start(self) -> None:
         """Warm the policy up (or load it from the cache) before the node announces itself."""
         loop = asyncio.get_running_loop()
-        self.policy, report = await loop.run_in_executor(None, cached_warm_up, self.spec, self.cache_dir)
+        # warmed up on the CPU, so that one model id is one set of weights whatever device a node has
+        policy, report = await loop.run_in_executor(None, cached_warm_up, self.spec, self.cache_dir)
+        self.policy = policy.place(self.ctx.device, self.ctx.compute_dtype)
         self.optimizer = make_optimizer(self.policy, self.cfg)
         self.generator = torch.Generator().manual_seed(task_seed(self.ctx.peer_id, "sampling") % 2**63)
         self.tokenizer = self.spec.tokenizer()

@@ -97,7 +97,7 @@ async def fetch_stage(p2p: Any, peer: str, stage: int, reference: list[torch.Ten
         received = []
         for like in (*reference, *reference):
             spec = TensorSpec(WIRE_DTYPE, tuple(like.shape))
-            received.append(await stream.read_tensor(spec, max_bytes=like.numel() * 4))
+            received.append(await stream.read_tensor(spec, max_bytes=like.numel() * 4, device=like.device))
     finally:
         stream.close()
     theta, phi = received[: len(reference)], received[len(reference) :]

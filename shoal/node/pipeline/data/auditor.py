@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.device import to_device
 from shoal.logs import printable
 from shoal.train.audit import AuditConfig, StageSpread, excluded, judge, learn, measure, refused_by_partners
 
@@ -181,7 +182,7 @@ class Auditor:
 
     @torch.no_grad()
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.driver.head.embed(tokens)
+        return self.driver.head.embed(to_device(tokens, self.driver.device))
 
     async def _output(self, stage: int, peer: str, x: torch.Tensor, step: int) -> torch.Tensor | None:
         return await self.driver.forward_through(((stage, peer),), x, f"audit{step}-{peer[-8:]}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal.device import to_device, to_host
 from shoal.errors import UsageError
 from shoal.logs import printable
 from shoal.model.data import BatchSampler, load_token_splits, validation_batches
@@ -121,7 +122,7 @@ class DataDriver(PipelineEngine):
         run = self.run
         if run.model.checkpoint and ctx.checkpoint is None:  # its tokenizer, embedding and head are there
             raise UsageError(f"a data node of run {run.name} needs the checkpoint it starts from: --checkpoint DIR")
-        self.head = initial_stage(run.model, run.pipeline.stages, 0, run.train.seed, ctx.checkpoint)
+        self.head = initial_stage(run.model, run.pipeline.stages, 0, run.train.seed, ctx.checkpoint).to(ctx.device)
         self.optimizer = InnerOptimizer(self.head, run.optim, run.train.steps)
         self.hooks = ctx.hooks
         # stage 0's replicas are the data nodes: they average it as any stage's replicas do
@@ -330,7 +331,7 @@ class DataDriver(PipelineEngine):
 
     @torch.no_grad()
     def embed_eval(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head.embed(tokens)
+        return self.head.embed(to_device(tokens, self.device))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
@@ -353,6 +354,7 @@ class DataDriver(PipelineEngine):
         is redone by the hops themselves. It is abandoned only when a stage has had no live replica
         for the whole stage wait (`stage_lost`), or after MAX_ATTEMPTS forward passes."""
         base_id = f"{self.ctx.short_id}-{tag}" if train else f"{self.ctx.short_id}-eval-{tag}"
+        tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
         async with slots:
             self.ledger.inject(base_id)
             embedded = await self.compute(self._embed if train else self.embed_eval, tokens, priority=FORWARD)
@@ -533,7 +535,7 @@ class DataDriver(PipelineEngine):
         check_hop(request)
         entry = self.in_flight.get(request.microbatch_id)
         spec = replace(self.activation_spec, shape=tuple(entry.embedded.shape)) if entry else self.activation_spec
-        grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
+        grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes, device=self.device)
         if request.hop != -1 or request.origin != self.ctx.peer_id:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None or not entry.home:
@@ -735,7 +737,7 @@ class DataDriver(PipelineEngine):
         must hear from the replica it names."""
         wire_id = f"{self.ctx.short_id}-{tag}#{secrets.token_hex(16)}"
         done = asyncio.get_running_loop().create_future()
-        blank = torch.zeros(x.shape[:2], dtype=torch.long)  # no targets: only the shape is checked
+        blank = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)  # no targets: only the shape is checked
         peers, stages = tuple(p for _, p in hops), tuple(s for s, _ in hops)
         entry = InFlight(tag, x, blank, 1.0, done, route_peers=peers, route_stages=stages, capture=True)
         self.in_flight[wire_id] = entry
@@ -755,7 +757,7 @@ class DataDriver(PipelineEngine):
 
     @torch.no_grad()
     def top_predictions(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(x).argmax(-1)
+        return to_host(self.head.logits(x).argmax(-1))
 
     async def probe(self) -> dict | None:
         """--probe-file's probes through the swarm's model, after training (probes.py)."""

@@ -104,7 +104,8 @@ class StageWorker(PipelineEngine):
         super().__init__(ctx)
         run = self.run
         self.stage = stage
-        self.module = initial_stage(run.model, run.pipeline.stages, stage, run.train.seed, ctx.checkpoint)
+        module = initial_stage(run.model, run.pipeline.stages, stage, run.train.seed, ctx.checkpoint)
+        self.module = module.to(ctx.device)
         self.optimizer = InnerOptimizer(self.module, run.optim, run.train.steps)
         self.saved: dict[str, Saved] = {}
         self.sent: dict[str, SentGradient] = {}
@@ -324,7 +325,7 @@ class StageWorker(PipelineEngine):
         refusal = self._check_mine(request)
         saved = self.saved.get(request.microbatch_id)
         spec = self.activation_spec if saved is None else replace(self.activation_spec, shape=tuple(saved.y.shape))
-        grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes)
+        grad = await stream.read_tensor(spec, max_bytes=self.max_activation_bytes, device=self.device)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         if request.microbatch_id in self.backward_done:
@@ -428,7 +429,7 @@ class StageWorker(PipelineEngine):
         home = request.hop + 1 == len(request.route)
         if refusal is None and sender != (request.origin if home else request.route[request.hop + 1].peer_id):
             refusal = self._refuse(sender, request.microbatch_id, "a recompute comes only from the hop after")
-        grad = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes)
+        grad = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes, device=self.device)
         self.check_activation(grad)
         if refusal:
             return Ack(accepted=False, reason=refusal)
