@@ -37,6 +37,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 # bf16 autocast, each order is rounded to bf16 (tests/test_node_pipeline.py holds the same bounds).
 PARITY_FP32 = 2e-4
 PARITY_BF16 = 2e-3
+# Training amplifies those differences: past the first steps two float orders part (on `small` at a
+# 1e-6 gap by step 10, 5e-2 by step 25), so parity is step by step for the first CLOSE_STEPS steps,
+# and then the mean loss of the last TAIL_STEPS steps within TAIL_BOUND.
+CLOSE_STEPS = 10
+TAIL_STEPS = 10
+TAIL_BOUND = 0.01
 
 
 def run_file_for(name: str, steps: int, workdir: Path) -> Path:
@@ -136,18 +142,22 @@ def check(name: str, steps: int, device: str, workdir: Path, threads: int) -> di
     run_file = run_file_for(name, steps, workdir)
     local = local_run(run_file, device, workdir)
     swarm = swarm_run(run_file, device, workdir, threads)
-    gap = max(abs(a - b) for a, b in zip(swarm["losses"], local["losses"], strict=True))
+    gaps = [abs(a - b) / abs(b) for a, b in zip(swarm["losses"], local["losses"], strict=True)]
     bound = PARITY_BF16 if local["compute_dtype"] == "bfloat16" else PARITY_FP32
-    relative = gap / max(abs(x) for x in local["losses"])
+    close = next((i for i, g in enumerate(gaps) if g > bound), len(gaps))
+    window = min(TAIL_STEPS, steps)
+    tail = abs(sum(swarm["losses"][-window:]) - sum(local["losses"][-window:])) / abs(sum(local["losses"][-window:]))
     return {
         "run": name,
         "steps": steps,
         "local": local,
         "swarm": swarm,
         "swarm_over_local": swarm["tokens_per_s"] / local["tokens_per_s"],
-        "largest_loss_gap": gap,
+        "largest_relative_gap": max(gaps),
         "parity_bound": bound,
-        "parity": relative <= bound,
+        "steps_within_bound": close,
+        "tail_mean_gap": tail,
+        "parity": close >= min(CLOSE_STEPS, steps) and tail <= TAIL_BOUND,
     }
 
 
@@ -164,21 +174,25 @@ def markdown(r: dict) -> str:
         "steps, averaging off, so both train the same model. Peak memory is torch's peak allocation on an "
         "accelerator and the peak resident set (the whole process: torch, libp2p client, DHT) on a CPU.",
         "",
-        "| run | steps | local tokens/s | swarm tokens/s | swarm ÷ local | largest step-loss gap | local peak MiB "
-        "| node peaks MiB (data, workers) | abandoned |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | steps | local tokens/s | swarm tokens/s | swarm ÷ local | steps within bound | mean loss gap, last "
+        f"{TAIL_STEPS} steps | local peak MiB | node peaks MiB (data, workers) | abandoned |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r["checks"]:
         s, lo = c["swarm"], c["local"]
         nodes = ", ".join(mib(v) for v in s["peak_bytes"].values())
         lines.append(
             f"| {c['run']} | {c['steps']} | {lo['tokens_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
-            f"{c['swarm_over_local']:.2f} | {c['largest_loss_gap']:.1e} ({'within' if c['parity'] else 'OUTSIDE'} "
-            f"{c['parity_bound']:g} relative) | {mib(lo['peak_bytes'])} | {nodes} | {s['abandoned']} of "
+            f"{c['swarm_over_local']:.2f} | {c['steps_within_bound']} of {c['steps']} ({c['parity_bound']:g} "
+            f"relative) | {100 * c['tail_mean_gap']:.2f} % | {mib(lo['peak_bytes'])} | {nodes} | {s['abandoned']} of "
             f"{s['microbatches']} |"
         )
     lines += [
         "",
+        f"Parity: the two sides run the same float operations in another order (hop-by-hop graphs, the W "
+        f"pass apart); step losses stay within the bound for the first steps, then training amplifies the "
+        f"difference and the curves part, so after {CLOSE_STEPS} steps the check compares the mean loss of the "
+        f"last {TAIL_STEPS} steps (within {100 * TAIL_BOUND:g} %). "
         "Three processes share one device here, so swarm ÷ local measures the pipeline's overheads on one "
         "machine, not what separate machines give. "
         + (
@@ -230,7 +244,8 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1))
     for c in checks:
         print(f"{c['run']}: local {c['local']['tokens_per_s']:,.0f} tok/s, swarm {c['swarm']['tokens_per_s']:,.0f} "
-              f"tok/s ({c['swarm_over_local']:.2f}x), loss gap {c['largest_loss_gap']:.1e}, "
+              f"tok/s ({c['swarm_over_local']:.2f}x), {c['steps_within_bound']} steps within "
+              f"{c['parity_bound']:g}, last-steps mean loss gap {100 * c['tail_mean_gap']:.2f} %, "
               f"abandoned {c['swarm']['abandoned']}")  # fmt: skip
     if not args.quick:
         print(write_section("device_check", markdown(result)))

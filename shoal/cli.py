@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("shoal.node.cli.export", "write the swarm's model as a Hugging Face checkpoint"),
     "health": ("shoal.node.cli.health", "ping one node with its health RPC: exit 0 if it answers"),
     "doctor": ("shoal.node.cli.doctor", "say what each initial peer is, and why a join through it fails"),
+    "swarms": ("shoal.node.cli.swarms", "list the swarms this machine knows by name"),
     "dashboard": ("shoal.dashboard.command", "watch a swarm in a local web page"),
     "demo": ("shoal.demo.command", "run a whole swarm on this machine and train the bundled model"),
 }

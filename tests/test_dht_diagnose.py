@@ -45,15 +45,29 @@ def test_doctor_names_each_peers_fault_in_one_line(swarm):
         stock.shutdown()
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 5, done.stdout
+    assert len(lines) == 6, done.stdout
     assert lines[0].startswith(f"ok    {entry}: answers: a shoal peer (bootstrap), protocol {PROTOCOL_VERSION}")
     assert "connected, but the peer there is " in lines[1] and f"not the {other_id} the address names" in lines[1]
     assert "TCP refused at 127.0.0.1:" in lines[2] and "nothing listens there" in lines[2]
     assert "does not speak shoal" in lines[3]
     assert "not a multiaddress of the form" in lines[4]
-    assert all(line.startswith("FAIL  ") for line in lines[1:])
+    assert all(line.startswith("FAIL  ") for line in lines[1:5])
+    assert lines[5].startswith("ok    reachable: 1 peer(s) asked, they opened a connection to /ip4/127.0.0.1/tcp/")
     ok = _doctor(entry)
-    assert ok.returncode == 0 and ok.stdout.startswith("ok    ")
+    assert ok.returncode == 0 and ok.stdout.startswith("ok    "), ok.stdout
+
+
+def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
+    """The self-check's other verdict: announced at a port where nothing listens, this machine is not
+    reachable, and the doctor names the port to forward and the flags to pass."""
+    entry = swarm.start_bootstrap().maddrs[0]
+    port = _closed_port()
+    done = _doctor(entry, "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    first, reach = done.stdout.strip().splitlines()
+    assert first.startswith(f"ok    {entry}: answers")
+    assert reach.startswith("FAIL  not reachable: 1 peer(s) could not open a connection to this node")
+    assert f"forward TCP port {port} to this machine" in reach and "--use-auto-relay" in reach
 
 
 def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():

@@ -99,3 +99,18 @@ def test_a_node_takes_only_a_stage_its_memory_holds():
     assert choose_stage(bottleneck, Candidate("me", 10.0, 100.0, "auto", 2, frozenset({1, 3}))) in (1, 3)
     # only stage 0 fits: one more data node, even where the swarm has one
     assert choose_stage(view, Candidate("me", 10.0, 100.0, stages_that_fit=frozenset({0}))) == 0
+
+
+def test_joiners_that_see_each_other_copy_from_different_donors():
+    from shoal.planning.donors import donor_order
+
+    donors = [_node("d1", 1), _node("d2", 1), _node("old", 1)]
+    donors = [NodeInfo(**{**n.__dict__, "inner_step": step}) for n, step in zip(donors, (40, 41, 12), strict=True)]
+    a = _node("joiner-a", 1, started=5.0, state="joining")
+    b = _node("joiner-b", 1, started=7.0, state="joining")
+    first, second = donor_order("joiner-a", 5.0, donors, [b]), donor_order("joiner-b", 7.0, donors, [a])
+    assert first[0] != second[0] and {first[0], second[0]} == {"d1", "d2"}
+    assert first[-1] == second[-1] == "old"  # far behind the others: tried last, by everyone
+    assert sorted(first) == sorted(second) == ["d1", "d2", "old"]
+    assert donor_order("alone", 1.0, donors, [])[:2] in (["d1", "d2"], ["d2", "d1"])
+    assert donor_order("alone", 1.0, [], [a]) == []

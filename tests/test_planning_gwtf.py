@@ -153,3 +153,19 @@ def test_a_data_node_sends_its_next_microbatch_where_it_should_finish_first():
     assert pick_route(plan, 0, {(0, fast.hops): 1}) == fast  # 2 x 10 = 20 ties 1 x 20: the first in order
     assert pick_route(plan, 0, {(0, fast.hops): 2}) == slow  # 3 x 10 > 20
     assert pick_route(plan, 9, {}) is None  # a data node without planned routes waits
+
+
+def test_a_data_node_that_joins_a_swarm_whose_routes_fill_every_replica_still_gets_one():
+    """Re-planned from the first data node's routes, which take every worker's room, the newcomer got
+    no route and abandoned every microbatch after the stage wait (seen in the daemon). Its first route
+    now queues behind the others' instead."""
+    first = PlanNode(0, 0, 0, 1.0, 4)
+    workers = [PlanNode(1, 1, 0, 1.0, 2), PlanNode(2, 2, 0, 1.0, 2)]
+    alone = Swarm((first, *workers), 3, ((0.001,),), ((1e9,),))
+    before = plan_flows(alone, COST, random.Random(0), anneal_steps=50)
+    assert len(before.routes) == 2  # the workers' room, all the first data node's
+    second = PlanNode(3, 0, 0, 1.0, 4)
+    joined = Swarm((first, *workers, second), 3, ((0.001,),), ((1e9,),))
+    after = plan_flows(joined, COST, random.Random(0), anneal_steps=5, keep=before.routes)
+    assert {r.origin for r in after.routes} == {0, 3}
+    assert pick_route(after, 3, {}) is not None

@@ -20,6 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish this run (signed) as the swarm's default, and keep republishing it",
     )
     parser.add_argument("--record-ttl", type=float, default=60.0, help="lifetime of the published run record")
+    parser.add_argument(
+        "--publish-swarm",
+        default=None,
+        metavar="FILE",
+        help="write this swarm's document (its addresses and runs, signed by this peer's identity) to FILE, for "
+        "volunteers to join with --swarms FILE --swarm NAME",
+    )
+    parser.add_argument("--swarm-name", default=None, metavar="NAME", help="the swarm's name (default: the run's)")
+    parser.add_argument("--swarm-description", default="", metavar="TEXT", help="one line on what the swarm trains")
     add_metrics_arguments(parser)
 
 
@@ -27,11 +36,18 @@ def run(args: argparse.Namespace) -> int:
     from shoal.bootstrap.peer import BootstrapPeer
     from shoal.config import load_run_config
     from shoal.errors import UsageError
+    from shoal.files import atomic_write
     from shoal.node.cli.runtime import run_daemon
 
     run_config = load_run_config(args.run_config) if args.run_config else None
     if not 3.0 <= args.record_ttl <= 3600.0:
         raise UsageError("--record-ttl must be between 3 and 3600 seconds")
+    swarm_name = args.swarm_name or (run_config.name.lower() if run_config is not None else None)
+    if args.publish_swarm and swarm_name is None:
+        raise UsageError("--publish-swarm needs --swarm-name NAME (or a --run-config to name it after)")
+    if args.publish_swarm and args.identity is None:
+        raise UsageError("--publish-swarm needs --identity FILE: the document is signed by the key volunteers will "
+                         "dial, so it must outlive this process")  # fmt: skip
 
     async def create() -> BootstrapPeer:
         peer = await BootstrapPeer.create(
@@ -50,8 +66,17 @@ def run(args: argparse.Namespace) -> int:
         return peer
 
     async def announce(peer: BootstrapPeer) -> None:
-        for maddr in await peer.maddrs():
+        maddrs = await peer.maddrs()
+        for maddr in maddrs:
             print(maddr, flush=True)
+        if args.publish_swarm:
+            from shoal.dht.swarms import sign_swarm
+
+            runs = [run_config.name] if run_config is not None else []
+            document = sign_swarm(swarm_name, args.swarm_description, maddrs, runs, peer.dht.identity.signing_key)
+            atomic_write(args.publish_swarm, document.to_toml())
+            join = f"shoal node --swarms {args.publish_swarm} --swarm {swarm_name}"
+            print(f"swarm document {args.publish_swarm}: volunteers join with {join}", file=sys.stderr, flush=True)
         if run_config is not None:
             print(f"publishing run {run_config.name}@{run_config.run_id}", file=sys.stderr, flush=True)
         if peer.metrics is not None:

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from shoal.files import atomic_write
-from shoal.node.cli.node import add_network_arguments
+from shoal.node.cli.node import add_network_arguments, client_network
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +38,13 @@ def run(args: argparse.Namespace) -> int:
     from shoal.node.config import NodeConfig, RunChoice
     from shoal.node.daemon import resolve_run
 
-    if not args.initial_peers:
-        raise UsageError("--initial-peers is required: the address of any peer of the swarm")
+    network = client_network(args)
     if not 0.2 <= args.interval_s <= 600:
         raise UsageError("--interval-s must be between 0.2 and 600 seconds")
-    lookup = NodeConfig(run=RunChoice(run_name=args.run, run_config_path=args.run_config))
+    lookup = NodeConfig(network=network, run=RunChoice(run_name=args.run, run_config_path=args.run_config))
 
     async def create() -> Dashboard:
-        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)
+        dht = await SwarmDHT.create(load_identity(None), network.initial_peers, network.host_maddrs, client_mode=True)
         try:
             run_config = await resolve_run(dht, lookup)
         except BaseException:

@@ -179,10 +179,8 @@ class LocalSwarm:
         ready = self.workdir / f"ready-{index:02d}.json"
         if "--threads" not in extra:  # every process of a local swarm shares this machine's cores
             extra = ("--threads", "1", *extra)
-        peer = self._spawn(
-            ["node", "--initial-peers", *initial_peers, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra],
-            name,
-        )
+        dial = ["--initial-peers", *initial_peers] if initial_peers else []  # none: --swarm NAME in `extra`
+        peer = self._spawn(["node", *dial, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra], name)
         peer.ready_file = ready
         if wait:
             self.wait_ready(peer)

@@ -53,6 +53,13 @@ class NetworkOptions:
     initial_peers: tuple[str, ...] = option(
         (), "multiaddresses of any peers of the swarm (e.g. a bootstrap peer)", flag="--initial-peers", metavar="MADDR"
     )
+    swarm: str | None = option(
+        None, "join the swarm of this name (`shoal swarms` lists them): its signed document gives the initial peers",
+        flag="--swarm", metavar="NAME",
+    )  # fmt: skip
+    swarm_files: tuple[str, ...] = option(
+        (), "swarm files to read besides shoal's own and ~/.config/shoal/swarms.d/", flag="--swarms", metavar="FILE"
+    )
     host_maddrs: tuple[str, ...] = option(
         (LOOPBACK_MADDR,),
         "where to listen (default: loopback, a free port; use /ip4/0.0.0.0/tcp/PORT to accept peers from other "
@@ -288,6 +295,11 @@ class PolicyOptions:
 class ExperimentOptions:
     """Experiments and fault injection: for tests, chaos runs and attack studies only (node/hooks.py)."""
 
+    unreachable: bool = option(
+        False,
+        "fault injection for tests: take the reachability self-check as failed, as behind a NAT nobody can dial",
+        flag="--inject-unreachable",
+    )
     upstream_delay: tuple[int, float] | None = option(
         None,
         "fault injection for tests: hold the gradients of STEP that long before passing them upstream (so a kill "

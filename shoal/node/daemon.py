@@ -9,6 +9,7 @@ stops every task it started.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -99,7 +100,8 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
         if published:
             run, published_run = published[0].config, True
         elif name:
-            raise UsageError(f"no run named {config.run.run_name!r} is published in this swarm")
+            raise UsageError(f"no run named {config.run.run_name!r} is published in this swarm "
+                             f"({await published_names(dht, config)})")  # fmt: skip
         else:
             run = load_run_config("tiny")
             logger.info("[%s] the swarm publishes no default run; using the bundled %r", dht.peer_id[-8:], run.name)
@@ -113,6 +115,19 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
             )
         run = await asyncio.to_thread(with_local_data, run, config.run.data_path)
     return run
+
+
+async def published_names(dht: SwarmDHT, config: NodeConfig) -> str:
+    """What a node looking for a run it did not find is told is there: the swarm's default run, and the
+    runs its swarm document lists (the DHT cannot list the names published under it)."""
+    default = sorted({f"{p.config.name}@{p.config.run_id}" for p in await dht.read_runs(None)})
+    said = [f"its default run: {', '.join(default)}" if default else "it publishes no default run"]
+    if config.network.swarm:
+        from shoal.dht.swarms import resolve_swarm
+
+        listed = resolve_swarm(config.network.swarm, config.network.swarm_files).runs
+        said.append(f"swarm {config.network.swarm} lists: {', '.join(listed) or 'none'}")
+    return "; ".join(said)
 
 
 def run_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
@@ -200,6 +215,7 @@ class Node:
         # the memory this node plans its stage in: its device's free memory at start, or --memory-limit
         self.memory_bytes = capacity.memory_for_stages(self.device_info, config.limits.memory_limit_gib)
         self.placement_note: str | None = None  # why memory kept this node off the stage it would have taken
+        self.client_only = False  # nobody could dial it back: it holds the data role, which dials out only
         self.started_at = float(get_dht_time())
         self.state = STATE_JOINING
         self.stage: int | None = None
@@ -291,6 +307,10 @@ class Node:
         if self.role == ROLE_ROLLOUT:
             return 0
         fitting = self.stages_that_fit()
+        if self.client_only:
+            if 0 not in fitting:
+                raise UsageError(f"not reachable, so it can take only the data role, and {self._refusal(0)}")
+            return 0
         if self.config.placement.stage is not None:
             stage = self.config.placement.stage
             if stage >= self.run.pipeline.stages:
@@ -474,6 +494,7 @@ class Node:
         # Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority.
         self.view = await self.answering_view()
         await self.check_reachability()
+        self._take_client_role_if_unreachable()
         self.stage = self.keeper.saved_stage if self.keeper is not None else None  # resume there if still needed
         self._set_stage(self.choose_stage())
         for _ in range(SETTLE_ROUNDS):
@@ -495,6 +516,25 @@ class Node:
             self._tasks.append(asyncio.create_task(self._run_engine(self.engine), name="train"))
         self._write_ready_file()
         logger.info("[%s] active: %s on stage %d", self.short_id, self.role, self.stage)
+
+    def _take_client_role_if_unreachable(self) -> None:
+        """A node nobody could dial back takes the data role: it opens every stream itself (a hop's answer
+        comes back over the connection it dialed), where a stage worker waits to be dialed. With
+        --use-auto-relay it keeps the swarm's choice, to be reached through a relay."""
+        if self.reachable is not False:
+            return
+        if self.config.network.use_auto_relay:
+            logger.warning("[%s] not reachable directly: taking the swarm's choice of stage, to be reached through "
+                           "a circuit relay (--use-auto-relay)", self.short_id)  # fmt: skip
+            return
+        placement = self.config.placement
+        if placement.role == ROLE_WORKER or placement.stage is not None:
+            raise UsageError("--role worker: peers could not open a connection to this node, and a stage worker "
+                             "must be dialed by its peers; forward its port (see the warning above), pass "
+                             "--use-auto-relay, or let it take the data role (--role auto)")  # fmt: skip
+        logger.warning("[%s] not reachable: taking the data role, which dials every peer itself and needs no "
+                       "inbound connection (a stage worker would never be sent work)", self.short_id)  # fmt: skip
+        self.client_only = True
 
     async def _start_rollouts(self) -> None:
         """GRPO: no stage to claim; warm the policy up, announce it, and run the rounds."""
@@ -545,6 +585,8 @@ class Node:
         if not askers:
             return
         result = await reachability.check(self.dht.p2p, self._maddrs, askers)
+        if self.config.experiment.unreachable:
+            result = dataclasses.replace(result, reachable=False, confirmed=())
         self.reachable = result.reachable
         if result.reachable is False:
             logger.warning("[%s] not reachable: %s", self.short_id, reachability.advice(self._maddrs, result))

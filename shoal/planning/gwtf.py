@@ -137,7 +137,7 @@ class _FlowState:
     def throughput(self) -> float:
         return sum(1.0 / t for t in self.times)
 
-    def cheapest_route(self, origin: PlanNode) -> Route | None:
+    def cheapest_route(self, origin: PlanNode, over_memory: bool = False) -> Route | None:
         """Layered shortest path from the data node through every block stage and back. A node that
         already carries routes costs its queue on top (routes x compute: a new route waits behind
         them), so that routes spread over a stage's replicas instead of piling onto the one with the
@@ -147,7 +147,7 @@ class _FlowState:
             nxt: dict[NodeId, tuple[float, tuple[NodeId, ...]]] = {}
             for node in self.swarm.by_stage[stage]:
                 n = node.node_id
-                if self.load[n] >= node.memory:
+                if self.load[n] >= node.memory and not over_memory:
                     continue
                 queue = self.load[n] * self.compute[n]
                 options = [(c + self.d(prev, n) + queue, path + (n,)) for prev, (c, path) in best.items()]
@@ -161,7 +161,9 @@ class _FlowState:
 
     def fill(self) -> None:
         """Add routes, the least-served data node first, while estimated throughput rises. A data node's
-        first route is kept even when it does not raise the estimate: without one it cannot train."""
+        first route is kept even when it does not raise the estimate: without one it cannot train. So
+        is a first route through replicas the other data nodes' routes already fill (a data node that
+        joins a busy swarm): its microbatches queue there behind theirs, instead of never starting."""
         blocked: set[NodeId] = set()
         while True:
             data = [n for n in self.swarm.data_nodes if n.node_id not in blocked and self.load[n.node_id] < n.memory]
@@ -169,6 +171,8 @@ class _FlowState:
                 return
             origin = min(data, key=lambda n: (self.load[n.node_id], n.node_id))
             route = self.cheapest_route(origin)
+            if route is None and self.load[origin.node_id] == 0:
+                route = self.cheapest_route(origin, over_memory=True)
             if route is None:
                 return  # some stage is full: no data node can add a route
             before = self.throughput()

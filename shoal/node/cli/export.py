@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from shoal.errors import UsageError
-from shoal.node.cli.node import add_network_arguments
+from shoal.node.cli.node import add_network_arguments, client_network
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +72,19 @@ def run(args: argparse.Namespace) -> int:
     from shoal.node.config import NodeConfig, RunChoice
     from shoal.node.daemon import resolve_run, run_checkpoint
 
-    if not args.initial_peers:
-        raise UsageError("--initial-peers is required: the address of any peer of the swarm")
+    network = client_network(args)
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     check_export_target(args.out)
     lookup = NodeConfig(
+        network=network,
         run=RunChoice(
             run_name=args.run, run_config_path=args.run_config, data_path=args.data, checkpoint_dir=args.checkpoint
-        )
+        ),
     )
 
     async def main() -> tuple[Any, list[Any]]:
-        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True)
+        dht = await SwarmDHT.create(load_identity(None), network.initial_peers, network.host_maddrs, client_mode=True)
         try:
             run_config = await resolve_run(dht, lookup)
             view = await dht.read_view(run_config)

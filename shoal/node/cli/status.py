@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from shoal.node.cli.node import add_network_arguments
+from shoal.node.cli.node import add_network_arguments, client_network
 from shoal.planning.memory import gib
 from shoal.planning.swarm_view import SwarmView
 
@@ -182,16 +182,14 @@ def run(args: argparse.Namespace) -> int:
 
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.errors import UsageError
     from shoal.node.config import NodeConfig, RunChoice
     from shoal.node.daemon import resolve_run
 
-    if not args.initial_peers:
-        raise UsageError("--initial-peers is required: the address of any peer of the swarm")
-    lookup = NodeConfig(run=RunChoice(run_name=args.run, run_config_path=args.run_config))
+    network = client_network(args)
+    lookup = NodeConfig(network=network, run=RunChoice(run_name=args.run, run_config_path=args.run_config))
 
     async def main() -> dict[str, Any]:
-        dht = await SwarmDHT.create(load_identity(None), args.initial_peers, args.host_maddrs, client_mode=True,
+        dht = await SwarmDHT.create(load_identity(None), network.initial_peers, network.host_maddrs, client_mode=True,
                                     join_timeout_s=args.join_timeout)  # fmt: skip
         try:
             run_config = await resolve_run(dht, lookup)

@@ -18,6 +18,7 @@ from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import GradNorms
 from shoal.node.net.transport import FramedStream, open_call, read_reply
+from shoal.planning.donors import donor_order
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
@@ -124,10 +125,12 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     view = ctx.view
     if view is None:
         return attempt
-    sources = [n for n in view.replicas(worker.stage)
-               if n.state == "active" and n.peer_id != ctx.peer_id and n.peer_id not in attempt.failed]  # fmt: skip
+    replicas = [n for n in view.replicas(worker.stage) if n.peer_id != ctx.peer_id]
+    sources = [n for n in replicas if n.state == "active" and n.peer_id not in attempt.failed]
+    joiners = [n for n in replicas if n.state == "joining"]
+    by_id = {n.peer_id: n for n in sources}
     ours = [p.detach() for p in worker.module.parameters()]
-    for source in sorted(sources, key=lambda n: -n.inner_step):
+    for source in (by_id[p] for p in donor_order(ctx.peer_id, ctx.started_at, sources, joiners)):
         try:
             fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s)
         except Exception as e:
