@@ -171,7 +171,8 @@ def markdown(r: dict) -> str:
         "",
         f"`benchmarks/device_check.py` on **{r['device']}** ({r['device_name']}, {r['compute_dtype']}): the local "
         "trainer against a swarm of three nodes (data node + two stage workers) sharing the device, at equal "
-        "steps, averaging off, so both train the same model. Peak memory is torch's peak allocation on an "
+        "steps, averaging off, so both train the same model (on a CPU the local trainer takes a torch thread per "
+        "core, each node one). Peak memory is torch's peak allocation on an "
         "accelerator and the peak resident set (the whole process: torch, libp2p client, DHT) on a CPU.",
         "",
         "| run | steps | local tokens/s | swarm tokens/s | swarm ÷ local | steps within bound | mean loss gap, last "

@@ -131,6 +131,7 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     by_id = {n.peer_id: n for n in sources}
     ours = [p.detach() for p in worker.module.parameters()]
     for source in (by_id[p] for p in donor_order(ctx.peer_id, ctx.started_at, sources, joiners)):
+        logger.info("[%s] copying stage %d from %s", ctx.short_id, worker.stage, source.peer_id[-8:])
         try:
             fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s)
         except Exception as e:
