@@ -113,3 +113,44 @@ def test_a_node_that_cannot_join_says_why_for_each_initial_peer_and_exits_2(swar
     assert node.process.returncode == 2 and "Traceback" not in log, log[-2000:]
     assert "could not join the swarm in 3 s" in log and f"{closed}: TCP refused at 127.0.0.1:" in log
     assert took < 60, took  # the retries stop at the timeout; the start-up and the diagnosis take the rest
+
+
+def test_a_port_that_never_answers_and_a_listener_that_is_not_libp2p():
+    """The last two verdicts, staged on loopback: a listener whose accept queue is full drops further
+    SYNs, so TCP times out; a listener that answers with plain text fails the libp2p handshake."""
+    peer_id = "QmYM95Q9etkUisXP2sLGTeighcWUkvnsgVYxM3S8PdA7DB"
+
+    async def main():
+        full = socket.socket()
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        queued = []
+        for _ in range(4):  # fill the accept queue: nobody accepts, and the next SYN is dropped
+            s = socket.socket()
+            s.setblocking(False)
+            try:
+                s.connect(full.getsockname())
+            except BlockingIOError:
+                pass
+            queued.append(s)
+        await asyncio.sleep(0.2)
+
+        async def chatter(reader, writer):
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(chatter, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            silent = await diagnose(None, f"/ip4/127.0.0.1/tcp/{full.getsockname()[1]}/p2p/{peer_id}", timeout_s=1.0)
+            (other,) = await diagnose_all([f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"], timeout_s=3.0)
+        finally:
+            server.close()
+            for s in (full, *queued):
+                s.close()
+        return silent, other
+
+    silent, other = asyncio.run(main())
+    assert silent.cause == "timed out" and "check the port is open and the host is up" in silent.detail, silent
+    assert other.cause == "handshake" and "the libp2p handshake failed" in other.detail, other

@@ -26,7 +26,10 @@ def _copied_from(log: str) -> str:
 def test_two_joiners_at_once_copy_from_different_donors(swarm, tmp_path):
     run_file = write_tiny_run(tmp_path, **{"train.steps": 400})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    donors = [swarm.start_node([entry], "--stage", "1", name=f"donor{i}") for i in range(2)]
+    # each copy holds its donor 4 s (as a slow uplink would), so the two copies overlap: a donor serves
+    # one at a time, and the joiner it turns away takes the other donor
+    slow = ("--inject-copy-delay", "4")
+    donors = [swarm.start_node([entry], "--stage", "1", *slow, name=f"donor{i}") for i in range(2)]
     swarm.start_node([entry], "--stage", "2", name="stage2")
     progress = tmp_path / "progress.jsonl"
     swarm.start_node([entry], "--role", "data", "--progress-file", str(progress), name="data")

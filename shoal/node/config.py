@@ -328,6 +328,13 @@ class ExperimentOptions:
         flag="--inject-forward-delay",
         metavar="SECONDS",
     )
+    copy_delay_s: float = option(
+        0.0,
+        "fault injection for tests and benchmarks: a replica serving its stage to a joiner holds the copy this many "
+        "seconds first (as a slow uplink would)",
+        flag="--inject-copy-delay",
+        metavar="SECONDS",
+    )
     close_delay_s: float = option(
         0.0,
         "fault injection for tests: a data node that sends each step close this much later",
@@ -352,6 +359,7 @@ class ExperimentOptions:
         _need(self.forward_delay_s >= 0, "--inject-forward-delay", "must be zero or more")
         _need(self.crash_at_step is None or self.crash_at_step >= 0, "--inject-crash-at-step", "must be zero or more")
         _need(self.close_delay_s >= 0, "--inject-close-delay", "must be zero or more")
+        _need(0 <= self.copy_delay_s <= 600, "--inject-copy-delay", "must be 0 to 600 seconds")
 
 
 SECTIONS = (

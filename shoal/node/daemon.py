@@ -186,6 +186,7 @@ def node_hooks(config: NodeConfig) -> Hooks:
         forward_delay_s=config.experiment.forward_delay_s,
         upstream_delay=config.experiment.upstream_delay,
         close_delay_s=config.experiment.close_delay_s,
+        copy_delay_s=config.experiment.copy_delay_s,
         close_stall=config.experiment.close_stall,
     )
     return Hooks(faults, config.experiment.adversary)

@@ -35,6 +35,7 @@ class Faults:
     upstream_delay: tuple[int, float] | None = None  # (step, s) a worker holds that step's gradients
     close_delay_s: float = 0.0  # a data node's step closes reach the workers this much later
     close_stall: tuple[int, float] | None = None  # (step, s) a worker's handling of that close is blocked
+    copy_delay_s: float = 0.0  # a donor holds each stage copy it serves this long before sending it
 
 
 class Hooks:

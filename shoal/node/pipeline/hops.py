@@ -91,6 +91,7 @@ class PipelineEngine:
     averager of the stage they hold (built by each, once its module and optimizer exist)."""
 
     averager: Averager | None = None
+    copies_serving = 0  # copies of its stage it is streaming to joiners now (stage/copy.py)
 
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx

@@ -6,7 +6,9 @@ DESIGN §5, "Join"). What arrives is checked like anything from a peer: count, s
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +29,15 @@ from shoal.train.outer import check_partner_tensors
 logger = logging.getLogger(__name__)
 
 WIRE_DTYPE = "float32"
+COPIES_AT_ONCE = 1  # a replica streams one copy of its stage at a time: a second joiner is sent to another
+BUSY = "busy: serving another copy of this stage"
+BUSY_RETRY_S = 0.5
+BUSY_WAIT_S = 120.0  # how long a joiner whose every donor is busy keeps asking
+FAILED_WAIT_S = 3.0  # after every listed donor failed: how long other replicas may appear to copy from
+
+
+class DonorBusy(Exception):
+    """The replica asked is streaming its stage to someone else: ask another, or again shortly."""
 
 
 class StageHolder(Protocol):
@@ -38,6 +49,7 @@ class StageHolder(Protocol):
     optimizer: Any  # shoal.train.inner.InnerOptimizer
     averager: Averager | None
     grad_norms: GradNorms
+    copies_serving: int  # copies of its stage it is streaming now
 
     async def compute(self, fn: Callable[..., Any], *args: Any, priority: int = ...) -> Any: ...
 
@@ -54,7 +66,20 @@ async def serve_stage_copy(worker: StageHolder, request: StageCopyRequest, strea
     if request.stage != worker.stage:
         await stream.write_message(Ack(accepted=False, reason=f"this node holds stage {worker.stage}"))
         return
+    if worker.copies_serving >= COPIES_AT_ONCE:
+        await stream.write_message(Ack(accepted=False, reason=BUSY))
+        return
+    worker.copies_serving += 1
+    try:
+        await _serve(worker, stream)
+    finally:
+        worker.copies_serving -= 1
+
+
+async def _serve(worker: StageHolder, stream: FramedStream) -> None:
     theta, phi = await worker.compute(_snapshot, worker, priority=BACKWARD)
+    if worker.ctx.hooks.faults.copy_delay_s:  # an experiment's slow uplink: the copy holds its slot longer
+        await asyncio.sleep(worker.ctx.hooks.faults.copy_delay_s)
     epoch = worker.averager.epoch if worker.averager is not None else 0
     await stream.write_message(Ack(accepted=True))
     header = StageCopy(
@@ -83,15 +108,29 @@ class FetchedStage:
     grad_norm_clipped: float | None
 
 
-async def fetch_stage(p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float) -> FetchedStage:
+async def fetch_stage(
+    p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, wait_if_busy: bool = True
+) -> FetchedStage:
     """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite).
-    `p2p`: a node's, or any client's (`shoal export` fetches every stage this way)."""
+    `p2p`: a node's, or any client's (`shoal export` fetches every stage this way). A peer busy serving
+    another copy is asked again until `timeout_s` has passed, or (`wait_if_busy` False) raises DonorBusy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await _fetch_once(p2p, peer, stage, reference, timeout_s)
+        except DonorBusy:
+            if not wait_if_busy or time.monotonic() + BUSY_RETRY_S >= deadline:
+                raise
+            await asyncio.sleep(BUSY_RETRY_S)
+
+
+async def _fetch_once(p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float) -> FetchedStage:
     stream = await open_call(p2p, peer, "rpc_copy_stage", timeout_s)
     try:
         await stream.write_message(StageCopyRequest(stage=stage))
         ack = await read_reply(stream, Ack)
         if not ack.accepted:
-            raise RuntimeError(ack.reason)
+            raise DonorBusy(ack.reason) if ack.reason == BUSY else RuntimeError(ack.reason)
         header = await read_reply(stream, StageCopy)
         if header.tensors != len(reference):
             raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(reference)}")
@@ -114,6 +153,7 @@ class CopyAttempt:
 
     source: str | None = None
     failed: dict[str, str] = field(default_factory=dict)  # peer id -> why
+    busy: set[str] = field(default_factory=set)  # donors that were serving someone else at the last try
 
 
 async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) -> CopyAttempt:
@@ -122,6 +162,7 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     each that fails is noted, for the caller to wait for others or to treat the stage as lost."""
     ctx = worker.ctx
     attempt = attempt or CopyAttempt()
+    attempt.busy = set()
     view = ctx.view
     if view is None:
         return attempt
@@ -133,7 +174,13 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     for source in (by_id[p] for p in donor_order(ctx.peer_id, ctx.started_at, sources, joiners)):
         logger.info("[%s] copying stage %d from %s", ctx.short_id, worker.stage, source.peer_id[-8:])
         try:
-            fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s)
+            fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s,
+                                        wait_if_busy=False)  # fmt: skip
+        except DonorBusy:
+            logger.info("[%s] %s is serving another copy of stage %d: trying another replica", ctx.short_id,
+                        source.peer_id[-8:], worker.stage)  # fmt: skip
+            attempt.busy.add(source.peer_id)
+            continue
         except Exception as e:
             logger.warning("[%s] could not copy stage %d from %s: %s", ctx.short_id, worker.stage,
                            source.peer_id[-8:], e)  # fmt: skip
@@ -145,6 +192,28 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
                     source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch)  # fmt: skip
         attempt.source = source.peer_id
         return attempt
+    return attempt
+
+
+async def join_stage(worker: StageHolder) -> CopyAttempt:
+    """Copy the stage for a joiner: every listed donor in turn; while all that answered were busy serving
+    others, ask again (up to BUSY_WAIT_S); after every one failed, wait FAILED_WAIT_S for others to
+    appear. Bounded in time: a joiner that got no copy says so, and its caller repairs or starts fresh."""
+    attempt = await copy_stage(worker)
+    started = time.monotonic()
+    while attempt.source is None:
+        waited = time.monotonic() - started
+        if not ((attempt.busy and waited < BUSY_WAIT_S) or (attempt.failed and waited < FAILED_WAIT_S)):
+            break
+        await asyncio.sleep(BUSY_RETRY_S)
+        try:
+            await worker.ctx.refresh_view()
+        except Exception as e:
+            logger.info("[%s] could not read the view: %s", worker.ctx.short_id, e)
+        attempt = await copy_stage(worker, attempt)
+    if attempt.source is None and (attempt.busy or attempt.failed):
+        logger.warning("[%s] no replica gave stage %d in %.0f s (busy: %d, failed: %d)", worker.ctx.short_id,
+                       worker.stage, time.monotonic() - started, len(attempt.busy), len(attempt.failed))  # fmt: skip
     return attempt
 
 

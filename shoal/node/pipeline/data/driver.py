@@ -50,7 +50,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
-from shoal.node.stage.copy import copy_stage, serve_stage_copy
+from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.swarm_view import SwarmView
@@ -721,7 +721,7 @@ class DataDriver(PipelineEngine):
         the same outer epoch, and epochs follow steps); its batches are still its own shard's."""
         if self.averager is None:
             return None
-        attempt = await copy_stage(self)
+        attempt = await join_stage(self)
         if attempt.source is not None:
             self.first_step = self.optimizer.step_count
         return attempt.source

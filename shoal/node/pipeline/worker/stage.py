@@ -48,7 +48,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
-from shoal.node.stage.copy import copy_stage, serve_stage_copy
+from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.planning.swarm_view import ROLE_DATA
 from shoal.protocol.pipeline import (
@@ -72,8 +72,6 @@ logger = logging.getLogger(__name__)
 # and a forward may overtake that close: it waits this long for the close to arrive (see
 # `_after_previous_close`). A close that does not come by then was lost, and the forward goes ahead.
 CLOSE_OVERTAKEN_WAIT_S = 5.0
-COPY_WAIT_S = 3.0  # after every listed donor failed: how long other replicas may appear to copy from
-COPY_RETRY_S = 0.5
 
 
 @dataclass
@@ -650,18 +648,11 @@ class StageWorker(PipelineEngine):
 
     async def join_by_copy(self) -> str | None:
         """Before serving a stage that has a live replica, take its weights; returns whom we copied.
-        A listed donor may be dead (its record outlives it): each that fails is skipped, replicas that
-        appear within COPY_WAIT_S are tried too, and the ones that failed are kept in `failed_donors`,
-        so that a stage none of whose listed replicas answered is repaired, not started fresh."""
-        attempt = await copy_stage(self)
-        deadline = time.monotonic() + COPY_WAIT_S
-        while attempt.source is None and attempt.failed and time.monotonic() < deadline:
-            await asyncio.sleep(COPY_RETRY_S)
-            try:
-                await self.ctx.refresh_view()
-            except Exception as e:
-                logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
-            attempt = await copy_stage(self, attempt)
+        A listed donor may be dead (its record outlives it) or busy serving another joiner: each is
+        skipped, and asked again or waited for (copy.py `join_stage`); the ones that failed are kept in
+        `failed_donors`, so that a stage none of whose listed replicas answered is repaired, not started
+        fresh."""
+        attempt = await join_stage(self)
         self.failed_donors = frozenset(attempt.failed)
         return attempt.source
 
