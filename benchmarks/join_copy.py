@@ -160,8 +160,8 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
-        "On loopback the two joiners' copies rarely overlap (each takes well under a second), so both may take "
-        "the same donor one after the other; when copies last (the second row) they overlap and the busy donor "
+        "On loopback the two joiners' copies need not overlap (each takes about half a second), so both may "
+        "take the same donor one after the other; when copies last (the second row) they overlap and the busy donor "
         "sends the second joiner to the other. A donor keeps training while it serves: the copy is a snapshot "
         "taken between two compute jobs, then streamed by the event loop. Every process shares the machine's "
         "2 cores, the joiners' start-up included, so the ratio is a lower bound for separate machines.",

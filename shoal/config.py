@@ -20,7 +20,7 @@ from shoal.model.config import ModelConfig
 from shoal.protocol.errors import MalformedMessage
 from shoal.protocol.schema import load_document
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: a scale per row, then int8 rows (protocol/tensors.py)
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # pipeline.compute_dtype (shoal/device.py)
 DEFAULT_MODEL = ModelConfig()
 # ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults

@@ -48,7 +48,7 @@ def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
         ("[train]\nsteps = 'many'\n", "train.steps"),
         ("[train]\nseq_len = 4096\n", "train.seq_len"),
         ("[optim]\nlr = -1\n", "optim.lr"),
-        ("[pipeline]\nwire_dtype = 'int8'\n", "pipeline.wire_dtype"),
+        ("[pipeline]\nwire_dtype = 'int4'\n", "pipeline.wire_dtype"),
         ("model = 3\n", "model"),
         ("[train]\nsteps = true\n", "train.steps"),
         ("[defense]\naudit_rate = 2.0\n", "defense.audit_rate"),

@@ -34,14 +34,21 @@ def run_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("close_delay", "changed"),
-    [(0.0, {}), (0.3, {}), (0.0, {"pipeline.wire_dtype": "bfloat16"}), (0.0, {"pipeline.compute_dtype": "bfloat16"})],
-    ids=["prompt-closes", "closes-overtaken-by-forwards", "bfloat16-wire", "bf16-autocast"],
+    [
+        (0.0, {}),
+        (0.3, {}),
+        (0.0, {"pipeline.wire_dtype": "bfloat16"}),
+        (0.0, {"pipeline.wire_dtype": "int8"}),
+        (0.0, {"pipeline.compute_dtype": "bfloat16"}),
+    ],
+    ids=["prompt-closes", "closes-overtaken-by-forwards", "bfloat16-wire", "int8-wire", "bf16-autocast"],
 )
 def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path, close_delay, changed):
     """The data node does not wait for its step close to be answered before the next step's forwards.
     With every close delayed past them, the workers must hold those forwards until they have stepped:
     a forward run on the weights of the step before would part the losses from the local trainer's.
-    Over a bfloat16 wire the local trainer rounds at every hop as the peers do, and keeps parity; under
+    Over a bfloat16 wire the local trainer rounds at every hop as the peers do, and keeps parity (over an
+    int8 wire, it quantizes every row both ways as the peers do); under
     bf16 autocast (every node's matrix products in bf16, on the CPU here) the local trainer runs the
     same autocast, and keeps parity to bf16's precision."""
     if changed:

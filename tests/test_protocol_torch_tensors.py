@@ -20,14 +20,14 @@ CHUNK = 64  # small chunks, so a tiny tensor still crosses several of them
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
-def _sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5, 7)) -> torch.Tensor:
+def _sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5, 9)) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     if dtype.is_floating_point:
         x = (torch.randn(shape, generator=gen) * 100).to(dtype)
         x.view(-1)[:4] = torch.tensor([-0.0, 0.0, torch.finfo(dtype).tiny / 2, torch.finfo(dtype).max])
         return x
     info = torch.iinfo(dtype)
-    x = torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
+    x = torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=dtype)
     x.view(-1)[:2] = torch.tensor([info.min, info.max])
     return x
 

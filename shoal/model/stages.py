@@ -12,6 +12,7 @@ import torch
 
 from shoal.model.config import ModelConfig
 from shoal.model.llama import BlockStage, HeadStage
+from shoal.protocol.torch_tensors import round_trip_rows
 
 
 def stage_layers(n_layers: int, stages: int, stage: int) -> range:
@@ -55,9 +56,25 @@ class _WireRound(torch.autograd.Function):
         return grad.to(ctx.wire_dtype).to(grad.dtype), None
 
 
+class _WireInt8(torch.autograd.Function):
+    """An int8 hop, both ways: each row of the activation, and of its gradient, quantized to int8 with
+    its own absolute-maximum scale and rebuilt, exactly as the receiving peer rebuilds it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return round_trip_rows(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return round_trip_rows(grad)
+
+
 def over_the_wire(x: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
     """`x` as the next peer receives it, and its gradient as the sender gets it back: identity for a
-    float32 wire, a rounding both ways for a narrower one (`pipeline.wire_dtype`)."""
+    float32 wire, a rounding both ways for a narrower one (`pipeline.wire_dtype`), per-row int8
+    quantization both ways for `int8`."""
+    if wire_dtype == torch.int8:
+        return _WireInt8.apply(x)
     return x if wire_dtype == x.dtype else _WireRound.apply(x, wire_dtype)
 
 

@@ -166,10 +166,10 @@ def policy_checkpoint(run: RunConfig, config: NodeConfig) -> Checkpoint | None:
 
 def run_cost_model(run: RunConfig) -> CostModel:
     """The planners' time model for this run: one microbatch's activation on the wire."""
-    from shoal.protocol.tensors import DTYPE_SIZES
+    from shoal.protocol.tensors import wire_nbytes
 
     t, m = run.train, run.model
-    return CostModel(activation_bytes=t.microbatch_size * t.seq_len * m.d_model * DTYPE_SIZES[run.pipeline.wire_dtype])
+    return CostModel(activation_bytes=wire_nbytes((t.microbatch_size, t.seq_len, m.d_model), run.pipeline.wire_dtype))
 
 
 def routing_policy(config: NodeConfig, run: RunConfig) -> str:

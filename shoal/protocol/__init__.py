@@ -37,6 +37,7 @@ from .schema import wire_field
 from .tensors import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
+    QUANTIZED_DTYPES,
     TensorAssembler,
     TensorHeader,
     TensorMeta,
@@ -45,6 +46,7 @@ from .tensors import (
     chunk_count,
     frame_payload,
     split_payload,
+    wire_nbytes,
 )
 from .version import PROTOCOL_VERSION, is_compatible
 
@@ -57,6 +59,7 @@ __all__ = [
     "DTYPE_SIZES",
     "ErrorReply",
     "FLOAT_DTYPES",
+    "QUANTIZED_DTYPES",
     "ForwardRequest",
     "Hop",
     "MAX_MESSAGE_BYTES",
@@ -88,6 +91,7 @@ __all__ = [
     "message",
     "registered_messages",
     "split_payload",
+    "wire_nbytes",
     "tag_of",
     "wire_field",
 ]

@@ -24,10 +24,27 @@ from .limits import CHUNK_BYTES, MAX_TENSOR_BYTES, MAX_TENSOR_DIM, MAX_TENSOR_RA
 from .registry import message
 from .schema import wire_field
 
-DTYPE_SIZES: Mapping[str, int] = MappingProxyType({"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4})
+DTYPE_SIZES: Mapping[str, int] = MappingProxyType(
+    {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1}
+)
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+# A wire dtype that is a codec, not a plain dtype: `int8` sends a float32 scale per row (the last
+# dimension's absolute maximum) and then the rows as int8 in [-127, 127], as SWARM sends activations.
+QUANTIZED_DTYPES = frozenset({"int8"})
+INT8_LEVELS = 127
 
 Buffer = bytes | bytearray | memoryview
+
+
+def wire_nbytes(shape: tuple[int, ...], wire_dtype: str) -> int:
+    """Bytes a tensor of `shape` takes on the wire as `wire_dtype`, an int8 codec's scales included."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    if wire_dtype in QUANTIZED_DTYPES:
+        rows = count // shape[-1] if shape and shape[-1] else 0
+        return count * DTYPE_SIZES[wire_dtype] + rows * DTYPE_SIZES["float32"]
+    return count * DTYPE_SIZES[wire_dtype]
 
 
 def _shape_text(shape: tuple[int | None, ...]) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .errors import BadTensor
 from .limits import CHUNK_BYTES, MAX_TENSOR_BYTES
-from .tensors import FLOAT_DTYPES, Buffer, TensorHeader, TensorMeta, TensorSpec, frame_payload
+from .tensors import FLOAT_DTYPES, INT8_LEVELS, Buffer, TensorHeader, TensorMeta, TensorSpec, frame_payload
 
 # Frames carry little-endian bytes; torch.frombuffer reads native order, so refuse to pretend.
 if sys.byteorder != "little":
@@ -33,6 +33,7 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "bfloat16": torch.bfloat16,
         "int64": torch.int64,
         "int32": torch.int32,
+        "int8": torch.int8,
     }
 )
 
@@ -115,3 +116,50 @@ def frames_to_tensor(
     if compute_dtype is not None and compute_dtype != wire:
         return x.to(compute_dtype)
     return x if owned else x.clone()
+
+
+# ---- int8 rows: a float32 scale per row, then the rows in [-127, 127] ----------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, values): each row's (last dimension's) absolute maximum as float32 (shape x.shape[:-1]),
+    and the row divided by it, times 127, rounded to int8. Zero rows get scale 0 and values 0."""
+    x = x.detach().float()
+    scales = x.abs().amax(dim=-1)
+    values = torch.round(x * (INT8_LEVELS / scales.clamp_min(1e-30)).unsqueeze(-1)).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    return scales, values.to(torch.int8)
+
+
+def dequantize_rows(scales: torch.Tensor, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rows back, each within half a step (its scale / 254) of what was quantized."""
+    return (values.to(dtype) * (scales.to(dtype) / INT8_LEVELS).unsqueeze(-1)).to(dtype)
+
+
+def round_trip_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a receiver of its int8 rows rebuilds it (the local trainer's model of an int8 hop)."""
+    return dequantize_rows(*quantize_rows(x), dtype=x.dtype)
+
+
+def rows_scale_spec(spec: TensorSpec) -> TensorSpec:
+    """What the scales of an int8 tensor matching `spec` must look like: float32, one per row, each in
+    [0, spec.max_abs] (a row's absolute maximum is bounded as the raw values would be)."""
+    return TensorSpec("float32", spec.shape[:-1], spec.max_abs)
+
+
+def rows_values_spec(spec: TensorSpec, scales: torch.Tensor) -> TensorSpec:
+    """The int8 values that go with `scales`: exactly one row of spec's width per scale."""
+    return TensorSpec("int8", (*scales.shape, spec.shape[-1]))
+
+
+def rows_to_tensor(
+    scales: torch.Tensor, values: torch.Tensor, compute_dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """Rebuild an int8-rows tensor whose frames passed their specs, after the checks those cannot make:
+    no negative scale, no -128 (the quantizer never sends either)."""
+    if scales.numel() and bool((scales < 0).any()):
+        raise BadTensor("int8 rows: a negative scale")
+    if values.numel() and bool((values == -INT8_LEVELS - 1).any()):
+        raise BadTensor(f"int8 rows: a value of {-INT8_LEVELS - 1}, outside [-{INT8_LEVELS}, {INT8_LEVELS}]")
+    if device is not None and device.type != "cpu":
+        scales, values = scales.to(device), values.to(device)
+    return dequantize_rows(scales, values, compute_dtype)

@@ -29,7 +29,7 @@ from shoal.protocol.codec import decode, encode
 from shoal.protocol.errors import MalformedMessage, MessageTooLarge, ProtocolError
 from shoal.protocol.limits import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from shoal.protocol.messages import ErrorReply
-from shoal.protocol.tensors import TensorAssembler, TensorHeader, TensorSpec
+from shoal.protocol.tensors import QUANTIZED_DTYPES, TensorAssembler, TensorHeader, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,19 @@ class FramedStream:
         in the same write as its first chunk; returns the tensor's bytes. Each further chunk is a write
         of its own, with the stream's deadline for each."""
         from shoal.device import to_host
-        from shoal.protocol.torch_tensors import TORCH_DTYPES, tensor_to_frames
+        from shoal.protocol.torch_tensors import TORCH_DTYPES, quantize_rows
 
+        if wire_dtype in QUANTIZED_DTYPES:  # int8 rows: the scales, then the values (torch_tensors.py)
+            scales, values = quantize_rows(tensor)
+            sent = await self._write_frames_of(to_host(scales), "float32", leading)
+            return sent + await self._write_frames_of(to_host(values), wire_dtype, ())
         if tensor.device.type != "cpu" and wire_dtype in TORCH_DTYPES:  # cast on the device: fewer bytes to copy
             tensor = to_host(tensor.detach().to(TORCH_DTYPES[wire_dtype]))
+        return await self._write_frames_of(tensor, wire_dtype, leading)
+
+    async def _write_frames_of(self, tensor: Any, wire_dtype: str, leading: Sequence[object]) -> int:
+        from shoal.protocol.torch_tensors import tensor_to_frames
+
         header, chunks = tensor_to_frames(tensor, wire_dtype)
         await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]])
         for chunk in chunks[1:]:
@@ -134,6 +143,15 @@ class FramedStream:
         (default: host memory)."""
         import torch
 
+        from shoal.protocol.torch_tensors import rows_scale_spec, rows_to_tensor, rows_values_spec
+
+        if spec.dtype in QUANTIZED_DTYPES:
+            scales = await self._read_one(rows_scale_spec(spec), None, max_bytes)
+            values = await self._read_one(rows_values_spec(spec, scales), torch.int8, max_bytes)
+            return rows_to_tensor(scales, values, compute_dtype or torch.float32, device)
+        return await self._read_one(spec, compute_dtype or torch.float32, max_bytes, device)
+
+    async def _read_one(self, spec: TensorSpec, compute_dtype: Any, max_bytes: int | None, device: Any = None) -> Any:
         from shoal.protocol.torch_tensors import frames_to_tensor
 
         assembler = TensorAssembler(spec) if max_bytes is None else TensorAssembler(spec, max_bytes=max_bytes)
@@ -142,7 +160,7 @@ class FramedStream:
         while not assembler.done:
             assembler.add(await self.read_frame(CHUNK_BYTES))
         payload = assembler.finish()
-        return frames_to_tensor(header.meta, payload, spec, compute_dtype=compute_dtype or torch.float32, device=device)
+        return frames_to_tensor(header.meta, payload, spec, compute_dtype=compute_dtype, device=device)
 
     @property
     def reusable(self) -> bool:

@@ -32,7 +32,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
 )
-from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec
+from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec, wire_nbytes
 
 if TYPE_CHECKING:
     from shoal.node.context import NodeContext
@@ -176,7 +176,7 @@ class PipelineEngine:
         x = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes, device=self.device)
         self.check_activation(x)
         self.traffic.tensors_received += 1
-        self.traffic.bytes_received += x.numel() * DTYPE_SIZES[self.wire_dtype]
+        self.traffic.bytes_received += wire_nbytes(tuple(x.shape), self.wire_dtype)
         return x
 
     async def send(
