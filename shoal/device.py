@@ -81,8 +81,8 @@ def _mps_available() -> bool:
 def supports_bf16(device: torch.device) -> bool:
     """Whether bf16 autocast is fast and exact enough to be the default here: Ampere or later on CUDA,
     MPS on torch builds that have it. The CPU runs bf16 (a run may ask for it), but slower than fp32."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # compute capability 8.0 (Ampere) and later; emulated bf16 is slow, not "has it"
+        return torch.cuda.get_device_capability(device)[0] >= 8
     if device.type == "mps":
         try:  # macOS 14 and later
             torch.ones(1, device=device, dtype=torch.bfloat16)
@@ -133,6 +133,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         torch.cuda.current_stream(t.device).synchronize()
         return host
     return t.to("cpu")
+
+
+def float64(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float64 for an exact sum or norm: where it is, or in host memory on MPS (no float64 there)."""
+    t = t.detach()
+    return (t.to("cpu") if t.device.type == "mps" else t).double()
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

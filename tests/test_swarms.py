@@ -115,3 +115,17 @@ def test_a_host_publishes_its_swarm_and_volunteers_join_it_by_name(swarm, tmp_pa
     tampered.write_text(document.read_text().replace("/ip4/127.0.0.1/", "/ip4/127.0.0.2/"))
     refused = _shoal("node", "--swarms", str(tampered), "--swarm", "lab")
     assert refused.returncode == 2 and "is not signed by the key it names" in refused.stderr, refused.stderr
+
+
+def test_a_bad_file_in_the_config_dir_is_skipped_but_a_bad_file_asked_for_is_refused(tmp_path, caplog):
+    folder = tmp_path / "config" / "shoal" / "swarms.d"
+    folder.mkdir(parents=True)
+    (folder / "good.toml").write_text(sign_swarm("lab", "ours", [PEER], [], RSAPrivateKey()).to_toml())
+    (folder / "binary.toml").write_bytes(b"\xff\xfe not text")
+    (folder / "broken.toml").write_text("[[swarm]]\nname = 'x'\n")
+    assert set(known_swarms()) == {"public", "lab"}
+    assert sum("skipping" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(UsageError, match="cannot read swarm file"):
+        known_swarms([str(folder / "binary.toml")])
+    with pytest.raises(UsageError, match="without control characters"):
+        sign_swarm("lab", "evil\x1b[2J", [PEER], [], RSAPrivateKey())

@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     swarm_name = args.swarm_name or (run_config.name.lower() if run_config is not None else None)
     if args.publish_swarm and swarm_name is None:
         raise UsageError("--publish-swarm needs --swarm-name NAME (or a --run-config to name it after)")
+    if args.publish_swarm:
+        from shoal.dht.swarms import check_name_and_description
+
+        check_name_and_description(swarm_name, args.swarm_description)
     if args.publish_swarm and args.identity is None:
         raise UsageError("--publish-swarm needs --identity FILE: the document is signed by the key volunteers will "
                          "dial, so it must outlive this process")  # fmt: skip
@@ -73,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
             from shoal.dht.swarms import sign_swarm
 
             runs = [run_config.name] if run_config is not None else []
-            document = sign_swarm(swarm_name, args.swarm_description, maddrs, runs, peer.dht.identity.signing_key)
+            tcp = [m for m in maddrs if "/tcp/" in m and "/p2p-circuit" not in m][:32]
+            document = sign_swarm(swarm_name, args.swarm_description, tcp, runs, peer.dht.identity.signing_key)
+            if all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in tcp):
+                print("warning: the swarm document lists loopback addresses only: volunteers on other machines "
+                      "need --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT (or "
+                      "/dns4/NAME/tcp/PORT)", file=sys.stderr, flush=True)  # fmt: skip
             atomic_write(args.publish_swarm, document.to_toml())
             join = f"shoal node --swarms {args.publish_swarm} --swarm {swarm_name}"
             print(f"swarm document {args.publish_swarm}: volunteers join with {join}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import tomllib
@@ -34,8 +35,11 @@ from pathlib import Path
 
 from shoal.errors import UsageError
 
+logger = logging.getLogger(__name__)
+
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-PEER = re.compile(r"/(ip4|ip6|dns4|dns6)/[^/\s]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
+PEER = re.compile(r"/(ip4|ip6|dns4|dns6)/[A-Za-z0-9.:_-]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
+TEXT = re.compile(r"[^\x00-\x1f\x7f]*")  # a description: one line, no control characters
 RUN_NAME = re.compile(r"[A-Za-z0-9._@:-]{1,128}")
 FIELDS = ("name", "description", "initial_peers", "runs", "placeholder", "key", "signature")
 MAX_PEERS = 32
@@ -93,21 +97,32 @@ def sign_swarm(
     return document
 
 
+def check_name_and_description(name: str, description: str) -> None:
+    """What a host chooses for its swarm, checked before its bootstrap peer starts (UsageError)."""
+    _check_fields(SwarmDocument(name, description, (_EXAMPLE_PEER,), (), False, "", ""), "--publish-swarm")
+
+
+_EXAMPLE_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmYM95Q9etkUisXP2sLGTeighcWUkvnsgVYxM3S8PdA7DB"
+
+
 def _check_fields(d: SwarmDocument, where: str) -> None:
     def refuse(field: str, why: str) -> None:
         raise UsageError(f"{where}: swarm {d.name!r}: {field} {why}")
 
     if NAME.fullmatch(d.name) is None:
         refuse("name", "must be 1-64 of a-z, 0-9, '.', '_', '-', starting with a letter or digit")
-    if len(d.description) > 500:
-        refuse("description", "is longer than 500 characters")
+    if len(d.description) > 500 or TEXT.fullmatch(d.description) is None:
+        refuse("description", "must be one line of at most 500 characters, without control characters")
     if not 1 <= len(d.initial_peers) <= MAX_PEERS:
         refuse("initial_peers", f"must list 1 to {MAX_PEERS} multiaddresses")
     for peer in d.initial_peers:
-        if PEER.fullmatch(peer) is None:
+        if PEER.fullmatch(peer) is None or not 0 < int(peer.split("/")[4]) < 65536:
             refuse("initial_peers", f"has {peer!r}, not of the form /ip4|ip6|dns4|dns6/HOST/tcp/PORT/p2p/PEER_ID")
-    if len(d.runs) > MAX_RUNS or any(RUN_NAME.fullmatch(r) is None for r in d.runs):
-        refuse("runs", f"must be at most {MAX_RUNS} run names")
+    if len(d.runs) > MAX_RUNS:
+        refuse("runs", f"must list at most {MAX_RUNS} run names")
+    for run in d.runs:
+        if RUN_NAME.fullmatch(run) is None:
+            refuse("runs", f"has {run[:40]!r}, not a run name (letters, digits and . _ @ : -)")
 
 
 def verify(d: SwarmDocument, where: str) -> SwarmDocument:
@@ -177,19 +192,36 @@ def known_swarms(extra_files: Iterable[str] = ()) -> dict[str, SwarmDocument]:
     shipped = {d.name: d for d in bundled()}
     found.update(shipped)
     folder = config_dir()
-    paths = sorted(folder.glob("*.toml")) if folder.is_dir() else []
-    for path in [*paths, *map(Path, extra_files)]:
+    mine = sorted(folder.glob("*.toml")) if folder.is_dir() else []
+    for path, given in [*((p, False) for p in mine), *((Path(p), True) for p in extra_files)]:
         try:
-            text = path.read_text()
-        except OSError as e:
-            raise UsageError(f"--swarms: cannot read {path} ({e.strerror or e})") from None
-        for document in parse_swarms(text, str(path)):
-            ours = shipped.get(document.name)
-            if ours is not None and ours.key != document.key:
-                raise UsageError(f"{path}: swarm {document.name!r} is signed by key {document.fingerprint}, but "
-                                 f"shoal ships {document.name!r} signed by {ours.fingerprint}: refused")  # fmt: skip
+            documents = parse_swarms(_read(path), str(path))
+            for document in documents:
+                ours = shipped.get(document.name)
+                if ours is not None and ours.key != document.key:
+                    theirs, shipped_key = document.fingerprint, ours.fingerprint
+                    raise UsageError(f"{path}: swarm {document.name!r} is signed by key {theirs}, but shoal ships "
+                                     f"{document.name!r} signed by {shipped_key}: refused")  # fmt: skip
+        except UsageError as e:
+            if given:  # a file asked for by name: its fault is the user's answer
+                raise
+            logger.warning("skipping %s: %s", path, e)  # one bad file in swarms.d does not block the others
+            continue
+        for document in documents:
+            earlier = found.get(document.name)
+            if earlier is not None and earlier.key != document.key:
+                logger.warning("swarm %r from %s (key %s) replaces the one from %s (key %s)", document.name, path,
+                               document.fingerprint, earlier.source, earlier.fingerprint)  # fmt: skip
             found[document.name] = document
     return found
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise UsageError(f"cannot read swarm file {path} ({why})") from None
 
 
 def resolve_swarm(name: str, extra_files: Iterable[str] = ()) -> SwarmDocument:

@@ -323,22 +323,22 @@ class Node:
         assert self.view is not None
         blocks = max(1, self.view.blocks_per_stage[1]) if self.view.stages > 1 else 1
         forward_s = blocks / max(self.block_throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
+        if fitting == self._stages_for_role():  # memory rules nothing out: the swarm's choice, unchanged
+            self.placement_note = None
+            return self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
         chosen = self.router.place(self.view, self.candidate(fitting), forward_s, self.max_inflight)
-        if len(fitting) < self.run.pipeline.stages:
-            wanted = self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
-            note = f"{self._refusal(wanted)}: taking stage {chosen}" if wanted != chosen else None
-            if note is not None and note != self.placement_note:
-                logger.warning("[%s] %s", self.short_id, note)
-            self.placement_note = note
+        wanted = self.router.place(self.view, self.candidate(), forward_s, self.max_inflight)
+        note = f"{self._refusal(wanted)}: taking stage {chosen}" if wanted not in fitting else None
+        if note is not None and note != self.placement_note:
+            logger.warning("[%s] %s", self.short_id, note)
+        self.placement_note = note
         return chosen
 
     def stages_that_fit(self) -> frozenset[int]:
         """The stages this node's memory holds (with --max-inflight microbatches, else one), or exit 2
         naming the smallest one's need when none does."""
         inflight = self.config.limits.max_inflight or 1
-        role = self.config.placement.role
-        first = 1 if role == ROLE_WORKER else 0
-        candidates = [0] if role == ROLE_DATA else range(first, self.run.pipeline.stages)
+        candidates = sorted(self._stages_for_role())
         need = {s: capacity.stage_need(self.run, s) for s in candidates}
         fitting = frozenset(s for s in candidates if fits(need[s], self.memory_bytes, inflight))
         if not fitting:
@@ -346,6 +346,13 @@ class Node:
             limited = "" if self.config.limits.memory_limit_gib is None else " (--memory-limit)"
             raise UsageError(f"no stage of run {self.run.name} fits this node: {self._refusal(smallest)}{limited}")
         return fitting
+
+    def _stages_for_role(self) -> frozenset[int]:
+        """The stages `--role` lets this node take: 0 for a data node, the block stages for a worker."""
+        role = self.config.placement.role
+        if role == ROLE_DATA:
+            return frozenset({0})
+        return frozenset(range(1 if role == ROLE_WORKER else 0, self.run.pipeline.stages))
 
     def _refusal(self, stage: int) -> str:
         return memory_refusal(capacity.stage_need(self.run, stage), self.memory_bytes)
@@ -530,9 +537,10 @@ class Node:
             return
         placement = self.config.placement
         if placement.role == ROLE_WORKER or placement.stage is not None:
-            raise UsageError("--role worker: peers could not open a connection to this node, and a stage worker "
-                             "must be dialed by its peers; forward its port (see the warning above), pass "
-                             "--use-auto-relay, or let it take the data role (--role auto)")  # fmt: skip
+            flag = "--role worker" if placement.role == ROLE_WORKER else f"--stage {placement.stage}"
+            raise UsageError(f"{flag}: peers could not open a connection to this node, and a stage worker must be "
+                             "dialed by its peers; forward its port (see the warning above), pass --use-auto-relay, "
+                             "or let it take the data role (--role auto)")  # fmt: skip
         logger.warning("[%s] not reachable: taking the data role, which dials every peer itself and needs no "
                        "inbound connection (a stage worker would never be sent work)", self.short_id)  # fmt: skip
         self.client_only = True

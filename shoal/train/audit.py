@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.device import float64
+
 
 @dataclass(frozen=True)
 class AuditConfig:
@@ -81,8 +83,8 @@ def measure(x: torch.Tensor, outputs: Mapping[str, torch.Tensor]) -> AuditMeasur
     if len(outputs) < 2:
         raise ValueError(f"an audit compares at least two replicas, got {len(outputs)}")
     peers = tuple(outputs)
-    x64 = x.detach().double()
-    ys = [outputs[p].detach().to(x64.device).double() for p in peers]
+    x64 = float64(x)
+    ys = [float64(outputs[p]).to(x64.device) for p in peers]
     sizes = sorted(float(torch.linalg.vector_norm(y)) for y in ys)
     unit = max(sizes[(len(sizes) - 1) // 2], 1e-12 * float(torch.linalg.vector_norm(x64)), 1e-30)
     gaps = [[float(torch.linalg.vector_norm(a - b)) / unit for b in ys] for a in ys]

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.config import OptimConfig
+from shoal.device import float64
 from shoal.train.schedule import learning_rate
 
 Tensors = Sequence[torch.Tensor]
@@ -89,12 +90,12 @@ class PartnerVerdict:
 
 def norm(tensors: Tensors) -> float:
     """L2 norm over all tensors together, in float64 (no overflow for any finite float32 input)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double())) ** 2 for t in tensors))
+    return math.sqrt(sum(float(torch.linalg.vector_norm(float64(t))) ** 2 for t in tensors))
 
 
 def distance(a: Tensors, b: Tensors) -> float:
     """‖a − b‖ over all tensors together."""
-    return norm([x.double() - y.to(device=x.device).double() for x, y in zip(a, b, strict=True)])
+    return norm([float64(x) - float64(y).to(float64(x).device) for x, y in zip(a, b, strict=True)])
 
 
 def _limit(values: Sequence[float], tolerance: float) -> float:

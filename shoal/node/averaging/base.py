@@ -64,8 +64,9 @@ class Averager:
         raise NotImplementedError
 
     def adopt(self, phi: list[torch.Tensor], epoch: int) -> None:
-        """Take a live replica's slow weights (joining by copy, or a repair)."""
-        self.load(OuterState.from_tensors(phi), epoch)
+        """Take a live replica's slow weights (joining by copy, or a repair), on our module's device."""
+        device = next(self.worker.module.parameters()).device
+        self.load(OuterState.from_tensors([p.to(device) for p in phi]), epoch)
 
     def load(self, state: OuterState, epoch: int) -> None:
         """Go on from this outer state (a copy, a repair, a resumed save)."""

@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 
 import torch
 
+from shoal.device import float64
 from shoal.node.averaging.base import Averager, Replica
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
@@ -213,7 +214,7 @@ class DiLoCoAverager(Averager):
             "group_sizes": self.group_sizes,
             "exchange_s": [round(t, 4) for t in self.exchange_s],
             "bytes_per_exchange": 4 * sum(p.numel() for p in self.state.phi),
-            "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+            "phi_checksum": float(sum(float(float64(p).sum()) for p in self.state.phi)),
             "clipped": self.clipped,
         }
 

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from shoal.device import float64
 from shoal.logs import printable
 from shoal.node.averaging.base import Averager, Replica
 from shoal.node.compute import BACKWARD
@@ -257,7 +258,7 @@ class NoLoCoAverager(Averager):
             "replica_distance": [[step, round(d, 6)] for step, d in self.distances],
             "exchange_s": [round(t, 4) for t in self.exchange_s],
             "bytes_per_exchange": 2 * 4 * sum(p.numel() for p in self.state.phi),  # φ and θ − φ, float32, each way
-            "phi_checksum": float(sum(float(p.double().sum()) for p in self.state.phi)),
+            "phi_checksum": float(sum(float(float64(p).sum()) for p in self.state.phi)),
             "screened_out": self.screened_out,
             "outer_log": [step.as_list() for step in self.outer_log],
             "refusals": self.excluded,

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from shoal.dht.swarms import config_dir, known_swarms
+from shoal.logs import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +22,12 @@ def run(args: argparse.Namespace) -> int:
                            "runs": list(d.runs), "placeholder": d.placeholder, "key": d.fingerprint,
                            "source": d.source} for d in swarms.values()], indent=1))  # fmt: skip
         return 0
-    for d in swarms.values():
+    for d in swarms.values():  # checked on parsing: names, peers and runs are plain; the rest made printable
         status = "PLACEHOLDER: no host yet" if d.placeholder else f"{len(d.initial_peers)} initial peer(s)"
         print(f"{d.name}  ({status}; runs: {', '.join(d.runs) or 'none listed'}; key {d.fingerprint})")
-        print(f"    {d.description}")
+        print(f"    {printable(d.description, 500)}")
         for peer in d.initial_peers:
             print(f"    {peer}")
-        print(f"    from {d.source}")
+        print(f"    from {printable(d.source, 300)}")
     print(f"join one with: shoal node --swarm NAME   (add swarm files to {config_dir()} or pass --swarms FILE)")
     return 0
