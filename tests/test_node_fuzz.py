@@ -246,7 +246,8 @@ def _payload(dtype: str, shape: tuple[int, ...], fill: str, seed_value: int) -> 
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed_value)
     if not torch_dtype.is_floating_point:
-        x = torch.randint(-(2**20), 2**20, shape, generator=generator, dtype=torch_dtype)
+        bound = min(2**20, torch.iinfo(torch_dtype).max)
+        x = torch.randint(-bound, bound, shape, generator=generator, dtype=torch_dtype)
     else:
         value = {"within": 6e4, "edge": 65504.0, "beyond": 7e4, "huge": 3e38, "nan": float("nan"),
                  "inf": float("inf"), "-inf": float("-inf")}.get(fill)  # fmt: skip

@@ -295,6 +295,13 @@ class PolicyOptions:
 class ExperimentOptions:
     """Experiments and fault injection: for tests, chaos runs and attack studies only (node/hooks.py)."""
 
+    link: str | None = option(
+        None,
+        "experiments: shape every send of this node as a link of MBIT megabits per second and MS milliseconds "
+        "one way would (user space: node/net/shaper.py)",
+        flag="--experiment-link",
+        metavar="MBIT:MS",
+    )
     unreachable: bool = option(
         False,
         "fault injection for tests: take the reachability self-check as failed, as behind a NAT nobody can dial",
@@ -360,6 +367,13 @@ class ExperimentOptions:
         _need(self.crash_at_step is None or self.crash_at_step >= 0, "--inject-crash-at-step", "must be zero or more")
         _need(self.close_delay_s >= 0, "--inject-close-delay", "must be zero or more")
         _need(0 <= self.copy_delay_s <= 600, "--inject-copy-delay", "must be 0 to 600 seconds")
+        if self.link is not None:
+            from shoal.node.net.shaper import LinkShape
+
+            try:
+                LinkShape.parse(self.link)
+            except ValueError as e:
+                raise ConfigError("--experiment-link", str(e)) from None
 
 
 SECTIONS = (

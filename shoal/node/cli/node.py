@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
     except DeviceError as e:
         raise UsageError(str(e)) from None
     config = with_swarm_peers(config)
+    if config.experiment.link is not None:
+        from shoal.node.net.shaper import LinkShape, shape_links
+
+        shape_links(LinkShape.parse(config.experiment.link))
+        print(f"shoal node: EXPERIMENT: every send shaped as a {config.experiment.link} (Mbit/s:ms) link",
+              file=sys.stderr)  # fmt: skip
     if not config.network.initial_peers:
         print("shoal node: no --initial-peers: starting a new swarm of one", file=sys.stderr)
     elif config.network.swarm:

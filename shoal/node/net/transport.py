@@ -31,6 +31,8 @@ from shoal.protocol.limits import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from shoal.protocol.messages import ErrorReply
 from shoal.protocol.tensors import QUANTIZED_DTYPES, TensorAssembler, TensorHeader, TensorSpec
 
+from . import shaper
+
 logger = logging.getLogger(__name__)
 
 FRAME_LENGTH_BYTES = 4
@@ -63,6 +65,7 @@ class FramedStream:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float):
         self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
         self.remote_addr: str | None = None  # served streams: the multiaddr the caller's connection came from
+        self.peer = ""  # the remote peer id: the link an experiment's shaper queues our sends on (shaper.py)
         _widen_send_buffer(writer)
 
     async def read_frame(self, max_bytes: int = MAX_FRAME_BYTES, wait_s: float | None = None) -> bytes:
@@ -89,13 +92,18 @@ class FramedStream:
             raise EndOfStream("closed by the peer")
         return first
 
-    async def write_frames(self, frames: Sequence[bytes | memoryview]) -> None:
+    async def write_frames(self, frames: Sequence[bytes | memoryview], starts_message: bool = True) -> None:
         """Frames in one vectored write: a hop's request, tensor header and activation reach the local
         p2p daemon as one piece, where separate writes cost a system call each here and a read, a
-        stream frame and an encryption each in both daemons (six of each per hop, not one)."""
+        stream frame and an encryption each in both daemons (six of each per hop, not one).
+        `starts_message` False: the rest of a tensor whose first chunk went before (a shaped link
+        charges its latency once)."""
         parts: list[bytes | memoryview] = []
         for frame in frames:
             parts += [len(frame).to_bytes(FRAME_LENGTH_BYTES, "big"), frame]
+        link = shaper.current()
+        if link is not None:
+            await link.before_send(self.peer, sum(len(p) for p in parts), starts_message)
         self.writer.writelines(parts)
         if self.writer.transport.get_write_buffer_size() == 0:
             await self.writer.drain()  # all written: nothing to wait for, only a lost connection to report
@@ -122,18 +130,20 @@ class FramedStream:
         if wire_dtype in QUANTIZED_DTYPES:  # int8 rows: the scales, then the values (torch_tensors.py)
             scales, values = quantize_rows(tensor)
             sent = await self._write_frames_of(to_host(scales), "float32", leading)
-            return sent + await self._write_frames_of(to_host(values), wire_dtype, ())
+            return sent + await self._write_frames_of(to_host(values), wire_dtype, (), starts_message=False)
         if tensor.device.type != "cpu" and wire_dtype in TORCH_DTYPES:  # cast on the device: fewer bytes to copy
             tensor = to_host(tensor.detach().to(TORCH_DTYPES[wire_dtype]))
         return await self._write_frames_of(tensor, wire_dtype, leading)
 
-    async def _write_frames_of(self, tensor: Any, wire_dtype: str, leading: Sequence[object]) -> int:
+    async def _write_frames_of(
+        self, tensor: Any, wire_dtype: str, leading: Sequence[object], starts_message: bool = True
+    ) -> int:
         from shoal.protocol.torch_tensors import tensor_to_frames
 
         header, chunks = tensor_to_frames(tensor, wire_dtype)
-        await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]])
+        await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]], starts_message)
         for chunk in chunks[1:]:
-            await self.write_frames((chunk,))
+            await self.write_frames((chunk,), starts_message=False)
         return header.nbytes
 
     async def read_tensor(
@@ -253,6 +263,7 @@ def _dispatcher(name: str, method: Handler, request_type: type, timeout_s: float
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         stream = FramedStream(reader, writer, timeout_s)
         stream.remote_addr = str(stream_info.addr) if getattr(stream_info, "addr", None) else None
+        stream.peer = str(stream_info.peer_id)
         try:
             wait_s = None  # the first request is due at once; later ones on a kept stream may wait
             while await serve_one(stream, stream_info.peer_id, wait_s):
@@ -291,7 +302,9 @@ async def open_call(p2p: P2P, peer: PeerID | str, rpc_name: str, timeout_s: floa
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(peer_id, HANDLER_PREFIX + rpc_name), timeout_s
     )
-    return FramedStream(reader, writer, timeout_s)
+    stream = FramedStream(reader, writer, timeout_s)
+    stream.peer = peer_id.to_base58()
+    return stream
 
 
 class StreamPool:
