@@ -45,8 +45,12 @@ TAIL_STEPS = 10
 TAIL_BOUND = 0.01
 
 
-def run_file_for(name: str, steps: int, workdir: Path) -> Path:
+def run_file_for(name: str, steps: int, workdir: Path, data: str | None) -> Path:
     run = load_run_config(name).replace({"train.steps": steps, "averaging.mode": "none"})
+    if data is not None:
+        from shoal.model.data import with_local_data
+
+        run = with_local_data(run, data)
     path = workdir / f"{name}.toml"
     path.write_text(run.to_toml())
     return path
@@ -138,8 +142,8 @@ def swarm_run(run_file: Path, device: str, workdir: Path, threads: int) -> dict:
     }
 
 
-def check(name: str, steps: int, device: str, workdir: Path, threads: int) -> dict:
-    run_file = run_file_for(name, steps, workdir)
+def check(name: str, steps: int, device: str, workdir: Path, threads: int, data: str | None) -> dict:
+    run_file = run_file_for(name, steps, workdir, data)
     local = local_run(run_file, device, workdir)
     swarm = swarm_run(run_file, device, workdir, threads)
     gaps = [abs(a - b) / abs(b) for a, b in zip(swarm["losses"], local["losses"], strict=True)]
@@ -214,6 +218,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node on a CPU")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the JSON here instead")
+    parser.add_argument("--data", default=None, metavar="PATH", help="train on this text (default: the run's corpus)")
     parser.add_argument("--local-worker", nargs=3, metavar=("RUN_FILE", "DEVICE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.local_worker:
@@ -228,7 +233,7 @@ def main() -> int:
     started = time.monotonic()
     plan = [("tiny", 6)] if args.quick else [("tiny", args.steps), ("small", args.steps)]
     with tempfile.TemporaryDirectory(prefix="shoal-device-check-") as tmp:
-        checks = [check(name, steps, str(device), Path(tmp), args.threads) for name, steps in plan]
+        checks = [check(name, steps, str(device), Path(tmp), args.threads, args.data) for name, steps in plan]
     dtype = autocast_dtype(device, load_run_config("tiny").pipeline.compute_dtype)
     result = {
         "device": str(device),

@@ -19,7 +19,7 @@ from shoal.config import load_run_config
 from shoal.node.capacity import stage_need
 from shoal.planning.memory import GIB, HEADROOM
 from tests.helpers.processes import wait_until
-from tests.helpers.tiny import write_tiny_run
+from tests.helpers.tiny import sample_text, write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +63,11 @@ def test_a_node_takes_the_stage_its_memory_holds_or_exits_2_saying_what_it_lacks
 def test_the_device_check_runs_in_its_quick_form(tmp_path):
     """benchmarks/device_check.py --quick: tiny, locally and as a three-node swarm on the device auto
     finds (the CPU in CI); it exits 1 if parity breaks or a microbatch is abandoned."""
-    out = tmp_path / "device_check.json"
+    out, corpus = tmp_path / "device_check.json", tmp_path / "corpus.txt"
+    corpus.write_text(sample_text(300000))  # a fresh machine has no default corpus; 1.8 MB: a validation split
     script = ROOT / "benchmarks" / "device_check.py"
-    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=400)  # fmt: skip
+    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out), "--data", str(corpus)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=400)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(out.read_text())
     (check,) = doc["checks"]
