@@ -110,6 +110,7 @@ class PipelineEngine:
         self.streams = StreamPool(ctx.p2p)  # kept streams for this engine's hops
         self.recomputes_delegated = 0
         self._view_read_at = 0.0
+        self._view_read: asyncio.Future | None = None  # the fresh view read under way, if any (`listed`)
         m, t = self.run.model, self.run.train
         self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model), WIRE_MAX_ABS)
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
@@ -141,11 +142,15 @@ class PipelineEngine:
         old: before saying no, read the view afresh (at most every VIEW_READ_MIN_S)."""
         if self._lists(peer_id, stages):
             return True
-        if time.monotonic() - self._view_read_at < VIEW_READ_MIN_S:
-            return False
-        self._view_read_at = time.monotonic()
+        if self._view_read is None or self._view_read.done():
+            if time.monotonic() - self._view_read_at < VIEW_READ_MIN_S:
+                return False
+            self._view_read_at = time.monotonic()
+            self._view_read = asyncio.ensure_future(self.ctx.refresh_view())
+        # Handlers that ask while a read is under way wait for it: answering "not listed" meanwhile
+        # refused a replacement's recomputes that came together (seen: 2 of 3 lost after a kill).
         try:
-            await self.ctx.refresh_view()
+            await asyncio.shield(self._view_read)
         except Exception as e:
             logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
             return False
