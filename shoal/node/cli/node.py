@@ -71,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if config.experiment.link is not None:
         from shoal.node.net.shaper import LinkShape, shape_links
 
-        shape_links(LinkShape.parse(config.experiment.link))
+        try:
+            shape_links(LinkShape.parse(config.experiment.link))
+        except ValueError as e:
+            raise UsageError(f"--experiment-link: {e}") from None
         print(f"shoal node: EXPERIMENT: every send shaped as a {config.experiment.link} (Mbit/s:ms) link",
               file=sys.stderr)  # fmt: skip
     if not config.network.initial_peers:

@@ -19,8 +19,8 @@ from shoal.device import compute_context
 from shoal.logs import printable
 from shoal.node.averaging.base import Averager
 from shoal.node.averaging.noloco import NoLoCoAverager
-from shoal.node.compute import BACKGROUND, ComputeThread
-from shoal.node.engine import AbandonReason
+from shoal.node.compute import BACKGROUND, BACKWARD, ComputeThread
+from shoal.node.engine import AbandonReason, TrainedState, snapshot_trained
 from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import (
@@ -114,6 +114,19 @@ class PipelineEngine:
         m, t = self.run.model, self.run.train
         self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model), WIRE_MAX_ABS)
         self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
+
+    async def state_dict(self) -> TrainedState | None:
+        """Weights, inner and outer optimizer state of the stage it holds (`module`, `optimizer`), between
+        two compute jobs; None during an outer step, whose new slow weights would not match the weights yet."""
+        return await self.compute(self._snapshot, priority=BACKWARD)
+
+    def _snapshot(self) -> TrainedState | None:
+        averager = self.averager
+        if averager is not None and averager.stepping:
+            return None
+        outer = averager.state if averager is not None else None
+        epoch = averager.epoch if averager is not None else 0
+        return snapshot_trained(self.module, self.optimizer, outer, epoch)  # type: ignore[attr-defined]
 
     async def compute(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
         return await self.compute_thread.run(priority, fn, *args)

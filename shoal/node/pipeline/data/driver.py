@@ -35,7 +35,6 @@ from shoal.node.engine import (
     TrainedState,
     outer_state_of,
     restore_trained,
-    snapshot_trained,
 )
 from shoal.node.net.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
@@ -691,17 +690,6 @@ class DataDriver(PipelineEngine):
 
     def trips(self) -> Sequence[Trip]:
         return list(self.recent_trips)
-
-    async def state_dict(self) -> TrainedState | None:
-        """Weights, inner and outer optimizer state, between two compute jobs; None during an outer step."""
-        return await self.compute(self._snapshot, priority=BACKWARD)
-
-    def _snapshot(self) -> TrainedState | None:
-        averager = self.averager
-        if averager is not None and averager.stepping:
-            return None
-        outer = averager.state if averager is not None else None
-        return snapshot_trained(self.head, self.optimizer, outer, averager.epoch if averager is not None else 0)
 
     async def load_state_dict(self, state: TrainedState) -> None:
         """Go on from a save: its weights and optimizer, and its step (a step's batch is a pure function

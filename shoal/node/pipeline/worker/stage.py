@@ -37,7 +37,6 @@ from shoal.node.engine import (
     TrainedState,
     outer_state_of,
     restore_trained,
-    snapshot_trained,
 )
 from shoal.node.net.transport import FramedStream, call
 from shoal.node.pipeline.hops import (
@@ -613,19 +612,6 @@ class StageWorker(PipelineEngine):
             averager_maddrs=tuple(averager.maddrs) if averager is not None else (),
             excluded=tuple(averager.excluded) if averager is not None else (),
         )
-
-    async def state_dict(self) -> TrainedState | None:
-        """Weights, inner and outer optimizer state, between two compute jobs; None during an outer
-        step, whose new slow weights would not match the weights yet."""
-        return await self.compute(self._snapshot, priority=BACKWARD)
-
-    def _snapshot(self) -> TrainedState | None:
-        averager = self.averager
-        if averager is not None and averager.stepping:
-            return None
-        outer = averager.state if averager is not None else None
-        epoch = averager.epoch if averager is not None else 0
-        return snapshot_trained(self.module, self.optimizer, outer, epoch)
 
     async def load_state_dict(self, state: TrainedState) -> None:
         self.optimizer = await self.compute(restore_trained, self.module, state, self.run, priority=BACKWARD)
