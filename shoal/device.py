@@ -21,6 +21,7 @@ import os
 import re
 import resource
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -222,6 +223,79 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+class PeakMemory:
+    """The most memory held above the level at entry, over a `with` block:
+
+        with PeakMemory(device) as peak:
+            work()
+        peak.bytes
+
+    On CUDA, torch's allocator counts it. On the CPU, a thread reads the resident set every
+    millisecond, and the kernel's high-water mark is added where this process may reset it
+    (/proc/self/clear_refs): the lifetime peak `getrusage` reports can come from before the block
+    (an import's transient, seen in CI), so it is never used here."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.001):
+        self.device, self.interval_s = device, interval_s
+        self.bytes = 0
+        self._before = 0
+        self._sampled = 0
+        self._hwm_reset = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        self._before = memory_in_use(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            self._hwm_reset = _reset_high_water_mark()
+            self._sampled = self._before
+            self._thread = threading.Thread(target=self._sample, name="peak-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sampled = max(self._sampled, resident_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        elif self.device.type == "mps":
+            peak = max(self._before, memory_in_use(self.device))
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            peak = max(self._sampled, resident_bytes())
+            if self._hwm_reset:
+                peak = max(peak, _high_water_mark())
+        self.bytes = max(0, peak - self._before)
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset the kernel's peak resident set of this process (Linux); False where it may not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _high_water_mark() > 0
+    except OSError:
+        return False
+
+
+def _high_water_mark() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def reset_peak_memory(device: torch.device) -> None:

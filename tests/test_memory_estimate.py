@@ -69,3 +69,17 @@ def test_fit_budget_and_refusal_speak_of_the_same_memory():
     assert inflight_budget(need, free_bytes=9 * GIB, share=0.5, cap=256) == int(spare * 0.5) // (GIB // 4)
     assert inflight_budget(need, free_bytes=GIB, share=0.5, cap=256) == 1  # at least one, whatever is left
     assert refusal(need, 7 * GIB) == "stage 2 needs ~1.4 GiB, this node has 6.3 GiB free"
+
+
+def test_the_cpu_peak_counts_only_what_the_block_held():
+    import torch
+
+    from shoal.device import PeakMemory
+
+    mib = 2**20
+    before = torch.ones(300 * mib // 4)  # a transient before the block, as an import's can be
+    del before
+    with PeakMemory(torch.device("cpu")) as peak:
+        held = torch.ones(120 * mib // 4)
+        del held
+    assert 100 * mib <= peak.bytes <= 200 * mib

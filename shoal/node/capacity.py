@@ -9,11 +9,14 @@ import time
 import torch
 
 from shoal.config import RunConfig
-from shoal.device import DeviceInfo, autocast, autocast_dtype, synchronize
+from shoal.device import DeviceInfo, PeakMemory, autocast, autocast_dtype, synchronize
 from shoal.model.llama import BlockStage
-from shoal.model.stages import stage_layers
+from shoal.model.split_backward import input_grad_first, recording_linears
+from shoal.model.stages import build_stage, stage_layers
 from shoal.planning.memory import GIB, StageMemory, stage_memory
 from shoal.planning.memory import inflight_budget as memory_inflight_budget
+from shoal.train.inner import InnerOptimizer
+from shoal.train.outer import OuterState
 
 MEMORY_SHARE = 0.25  # of the memory a stage's fixed part leaves, what in-flight activations may take
 MAX_INFLIGHT_CAP = 256
@@ -79,16 +82,16 @@ def inflight_budget(run: RunConfig, stage: int, free_bytes: int) -> int:
 def measure_stage_peak(run: RunConfig, stage: int, max_inflight: int, device: torch.device) -> int:
     """Bytes a stage took at its peak: built, `max_inflight` forwards held at once, their backwards
     (B, then W, as a worker runs them) and an inner step, with the outer optimizer's state if the run
-    averages. On the CPU this reads the process's peak resident set against its size at the call, so
-    it means something only in a fresh process whose earlier peak was not higher (the tests run it so)."""
-    from shoal.device import memory_in_use, peak_memory_bytes, reset_peak_memory
-    from shoal.model.split_backward import input_grad_first, recording_linears
-    from shoal.model.stages import build_stage
-    from shoal.train.inner import InnerOptimizer
-    from shoal.train.outer import OuterState
+    averages. On the CPU it is the resident set's peak above its size at the call, so other threads'
+    work counts too: the tests run it alone in a fresh process."""
 
-    reset_peak_memory(device)
-    before = memory_in_use(device)
+    with PeakMemory(device) as peak:
+        _run_stage_rounds(run, stage, max_inflight, device)
+    return peak.bytes
+
+
+def _run_stage_rounds(run: RunConfig, stage: int, max_inflight: int, device: torch.device) -> None:
+
     dtype = autocast_dtype(device, run.pipeline.compute_dtype)
     m, t = run.model, run.train
     module = build_stage(m, run.pipeline.stages, stage, t.seed).to(device)
@@ -122,4 +125,3 @@ def measure_stage_peak(run: RunConfig, stage: int, max_inflight: int, device: to
         optimizer.step()
     synchronize(device)
     del outer
-    return max(0, peak_memory_bytes(device) - before)
