@@ -1,17 +1,18 @@
 """Wire compression over a shaped link: what each activation/gradient codec saves in bytes, what it
-costs in loss at equal steps, and the speed a 100 Mbit/s, 30 ms link leaves (issue 32, first part).
+costs in loss at equal steps, and the speed a 100 Mbit/s, 30 ms link leaves (issue 32).
 
-    .venv/bin/python benchmarks/compression.py                 # tiny, 3 codecs x 3 seeds, 60 steps: ~15 min
+    .venv/bin/python benchmarks/compression.py                 # tiny, 5 settings x 3 seeds, 60 steps: ~12 min
     .venv/bin/python benchmarks/compression.py --seeds 0 --steps 20   # a quick look
 
 First the shaper itself (shoal/node/net/shaper.py; kernel netem is not available here): a bare framed
 stream on loopback, 8 MiB through it and 20 one-frame round trips, against the configured shape.
-Then, per codec (`pipeline.wire_dtype` float32, bfloat16, int8) and seed: the bundled `tiny` run, a
+Then, per setting (`pipeline.wire_dtype` float32, bfloat16 or int8 for activations and gradients;
+`averaging.codec` float32, int8 or topk for NoLoCo's exchanges) and seed: the bundled `tiny` run, a
 bootstrap peer, one data node and two replicas of each block stage, every node shaping its sends
-with `--experiment-link 100:30`, 1 torch thread each, NoLoCo averaging as bundled (its exchanges are
-float32: their compression is the second part of the issue, not built yet). Equal steps, data and
-seeds across codecs. Reported: pipeline bytes (activations and their gradients) and outer-exchange
-bytes per trained token, each ÷ float32's; validation loss (mean and spread over seeds) and its
+with `--experiment-link 100:30`, 1 torch thread each, NoLoCo averaging as bundled. Equal steps, data
+and seeds across settings. Reported, from every byte each node wrote to its streams (by kind):
+pipeline, outer-exchange, control and all bytes per trained token, each ÷ float32's; validation
+loss (mean and spread over seeds) and its
 change against float32; tokens/s over the shaped link; abandoned microbatches (must be 0).
 Writes benchmarks/results/compression.json and its section of docs/benchmarks.md.
 """
@@ -38,7 +39,15 @@ from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compression.json"
 LINK = "100:30"
-CODECS = ("float32", "bfloat16", "int8")
+# setting -> (pipeline.wire_dtype, averaging.codec); float32 first: the baseline every ratio is over
+SETTINGS = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "float32"),
+    "int8": ("int8", "float32"),
+    "int8 + int8 outer": ("int8", "int8"),
+    "int8 + topk outer": ("int8", "topk"),
+}
+KINDS = ("activation", "gradient", "outer", "copy", "control")
 
 
 async def _bare_stream(link: str) -> dict:
@@ -79,11 +88,14 @@ async def _bare_stream(link: str) -> dict:
             "configured_latency_ms": 1e3 * shape.latency_s}  # fmt: skip
 
 
-def run_swarm(codec: str, seed: int, steps: int, workdir: Path) -> dict:
-    run = load_run_config("tiny").replace({"train.steps": steps, "train.seed": seed, "pipeline.wire_dtype": codec})
-    run_file = workdir / f"{codec}-{seed}.toml"
+def run_swarm(setting: str, seed: int, steps: int, workdir: Path) -> dict:
+    wire, outer = SETTINGS[setting]
+    overrides = {"train.steps": steps, "train.seed": seed, "pipeline.wire_dtype": wire, "averaging.codec": outer}
+    run = load_run_config("tiny").replace(overrides)
+    slug = setting.replace(" + ", "-").replace(" ", "-")
+    run_file = workdir / f"{slug}-{seed}.toml"
     run_file.write_text(run.to_toml())
-    work = workdir / f"swarm-{codec}-{seed}"
+    work = workdir / f"swarm-{slug}-{seed}"
     swarm = LocalSwarm(work, log_level="WARNING")
     progress = work / "progress.jsonl"
     shaped = ("--experiment-link", LINK)
@@ -111,37 +123,40 @@ def run_swarm(codec: str, seed: int, steps: int, workdir: Path) -> dict:
     finally:
         swarm.close()
     stats = {n: json.loads((work / f"{n}.json").read_text()) for n in names}
-    pipeline_bytes = sum(s["traffic"].get("bytes_sent", 0) for s in stats.values())
-    outer_bytes = 0
-    for s in stats.values():
-        averaging = s["engine"].get("averaging") or {}
-        outer_bytes += averaging.get("bytes_per_exchange", 0) * len(averaging.get("exchange_s", []))  # what it sent
+    sent = {kind: sum(s["wire_bytes"][kind] for s in stats.values()) for kind in KINDS}  # every byte written
     steps_done = [e for e in progress_events(progress) if e["event"] == "step"]
     tokens = sum(e["tokens"] for e in steps_done)
     return {
-        "codec": codec, "seed": seed, "val_loss": done["val_loss"], "final_loss": done["final_loss"],
-        "tokens": tokens, "tokens_per_s": tokens / sum(e["step_s"] for e in steps_done),
-        "pipeline_bytes_per_token": pipeline_bytes / tokens, "outer_bytes_per_token": outer_bytes / tokens,
+        "setting": setting, "wire_dtype": wire, "outer_codec": outer, "seed": seed, "val_loss": done["val_loss"],
+        "final_loss": done["final_loss"], "tokens": tokens,
+        "tokens_per_s": tokens / sum(e["step_s"] for e in steps_done),
+        "bytes_per_token": {kind: n / tokens for kind, n in sent.items()},
+        "pipeline_bytes_per_token": (sent["activation"] + sent["gradient"]) / tokens,
+        "outer_bytes_per_token": sent["outer"] / tokens, "total_bytes_per_token": sum(sent.values()) / tokens,
         "abandoned": done["microbatches_abandoned"], "microbatches": done["microbatches_injected"],
     }  # fmt: skip
 
 
 def summarize(runs: list[dict]) -> dict:
-    by = {c: [r for r in runs if r["codec"] == c] for c in CODECS}
+    by = {c: [r for r in runs if r["setting"] == c] for c in SETTINGS}
     base = by["float32"]
     base_pipe = statistics.mean(r["pipeline_bytes_per_token"] for r in base)
-    base_total = statistics.mean(r["pipeline_bytes_per_token"] + r["outer_bytes_per_token"] for r in base)
+    base_outer = statistics.mean(r["outer_bytes_per_token"] for r in base)
+    base_total = statistics.mean(r["total_bytes_per_token"] for r in base)
     base_val = statistics.mean(r["val_loss"] for r in base)
     out = {}
-    for codec, rs in by.items():
+    for setting, rs in by.items():
         vals = [r["val_loss"] for r in rs]
         pipe = statistics.mean(r["pipeline_bytes_per_token"] for r in rs)
-        total = statistics.mean(r["pipeline_bytes_per_token"] + r["outer_bytes_per_token"] for r in rs)
-        out[codec] = {
+        outer = statistics.mean(r["outer_bytes_per_token"] for r in rs)
+        total = statistics.mean(r["total_bytes_per_token"] for r in rs)
+        out[setting] = {
             "seeds": [r["seed"] for r in rs], "val_loss_mean": statistics.mean(vals),
             "val_loss_spread": (max(vals) - min(vals)) if len(vals) > 1 else 0.0,
             "val_change_vs_fp32": statistics.mean(vals) / base_val - 1.0,
             "pipeline_bytes_per_token": pipe, "pipeline_over_fp32": pipe / base_pipe,
+            "outer_bytes_per_token": outer, "outer_over_fp32": outer / base_outer,
+            "control_bytes_per_token": statistics.mean(r["bytes_per_token"]["control"] for r in rs),
             "total_bytes_per_token": total, "total_over_fp32": total / base_total,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
             "abandoned": sum(r["abandoned"] for r in rs),
@@ -152,38 +167,44 @@ def summarize(runs: list[dict]) -> dict:
 def markdown(r: dict) -> str:
     bare = r["shaper"]
     lines = [
-        "## Wire compression over a shaped link (issue 32, first part)",
+        "## Wire compression over a shaped link (issue 32)",
         "",
         f"The shaper (`shoal/node/net/shaper.py`, `--experiment-link {LINK}`: 100 Mbit/s, 30 ms one way) on a bare "
         f"framed stream: 8 MiB took {bare['bulk_s']:.2f} s ({bare['bulk_mbit_per_s']:.0f} Mbit/s; the shape gives "
         f"{bare['bulk_expected_s']:.2f} s), and a one-frame message {bare['message_latency_ms']:.0f} ms (configured "
         f"{bare['configured_latency_ms']:.0f} ms).",
         "",
-        f"`tiny`, 2 replicas per block stage, {r['steps']} steps, seeds {r['seeds']}, every node shaping its sends; "
-        "NoLoCo's exchanges stay float32 (pseudo-gradient compression is not built yet).",
+        f"`tiny`, 2 replicas per block stage, NoLoCo every 10 steps, {r['steps']} steps, seeds {r['seeds']}, every "
+        "node shaping its sends. Bytes are every byte each node wrote to its streams (frames, requests and acks "
+        "included; node/net/transport.py `WireBytes`), per trained token; the DHT's traffic is not counted.",
         "",
-        "| wire codec | pipeline bytes/token (÷ fp32) | all bytes/token (÷ fp32) | val loss, mean (spread) "
-        "| val loss vs fp32 | tokens/s (shaped) | abandoned |",
-        "|---|---|---|---|---|---|---|",
+        "| setting (activations + outer exchange) | pipeline B/token (÷ fp32) | outer B/token (÷ fp32) | control "
+        "B/token | all B/token (÷ fp32) | val loss, mean (spread) | val loss vs fp32 | tokens/s (shaped) | abandoned |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for codec, s in r["summary"].items():
+    for setting, s in r["summary"].items():
         lines.append(
-            f"| {codec} | {s['pipeline_bytes_per_token']:,.0f} ({s['pipeline_over_fp32']:.3f}) | "
+            f"| {setting} | {s['pipeline_bytes_per_token']:,.0f} ({s['pipeline_over_fp32']:.3f}) | "
+            f"{s['outer_bytes_per_token']:,.0f} ({s['outer_over_fp32']:.3f}) | {s['control_bytes_per_token']:,.0f} | "
             f"{s['total_bytes_per_token']:,.0f} ({s['total_over_fp32']:.3f}) | {s['val_loss_mean']:.4f} "
             f"({s['val_loss_spread']:.4f}) | {100 * s['val_change_vs_fp32']:+.2f} % | {s['tokens_per_s']:,.0f} | "
             f"{s['abandoned']} |"
         )
-    best = min(r["summary"].values(), key=lambda s: s["total_over_fp32"])
-    outer_share = 1 - best["pipeline_bytes_per_token"] / best["total_bytes_per_token"]
+    within = {k: s for k, s in r["summary"].items() if s["val_change_vs_fp32"] <= 0.01}
+    name, best = min(within.items(), key=lambda kv: kv[1]["total_over_fp32"])
+    verdict = "Met" if best["total_over_fp32"] <= 1 / 50 else "Not met"
     lines += [
         "",
         f"The issue's target is total bytes per trained token at most 1/50 of float32 (goal 1/100) within 1 % of "
-        f"its loss. Not met: the best here is {best['total_over_fp32']:.3f} of float32 (1/"
-        f"{1 / best['total_over_fp32']:.1f}). int8 rows take activations and gradients to "
-        f"{best['pipeline_over_fp32']:.3f} of float32 with the loss within the seeds' spread; the float32 outer "
-        f"exchanges, which the pipeline codecs do not touch, are then {100 * outer_share:.0f} % of what is sent. "
-        "Anchors: Protocol Models ~100x on activations (subspace projection), IOTA 128x, SWARM 8-bit activations, "
-        "SparseLoCo >146x on pseudo-gradients, INTELLECT-1 int8 DiLoCo (400x less than DDP).",
+        f"its loss. {verdict}: the best setting within 1 % of the loss is {name}, at {best['total_over_fp32']:.3f} "
+        f"of float32 (1/{1 / best['total_over_fp32']:.1f}), {best['total_bytes_per_token']:,.0f} bytes a token where "
+        f"1/50 is {r['summary']['float32']['total_bytes_per_token'] / 50:,.0f}. Activations and their gradients "
+        "dominate what is left: int8 rows are 1/4 of float32 at best, and the 100x the anchors reach on activations "
+        "needs a subspace codec (Protocol Models) that is not built. NoLoCo's exchange sends φ as well as Δ, and φ "
+        "cannot be sparsified (it is the weights, not a change), so top-k on Δ leaves φ's int8 blocks as the floor "
+        "of the outer bytes. Anchors: Protocol Models ~100x on activations (subspace projection), IOTA 128x, SWARM "
+        "8-bit activations, SparseLoCo >146x on pseudo-gradients (DiLoCo-style, no φ), INTELLECT-1 int8 DiLoCo "
+        "(400x less than DDP).",
         "",
         f"Reproduce: `.venv/bin/python benchmarks/compression.py` ({wall_time(r['wall_s'])}, {r['machine']}).",
     ]
@@ -202,8 +223,8 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="shoal-compression-") as tmp:
         for seed in args.seeds:
-            for codec in CODECS:  # codecs alternate within a seed, so machine noise hits them alike
-                runs.append(run_swarm(codec, seed, args.steps, Path(tmp)))
+            for setting in SETTINGS:  # settings alternate within a seed, so machine noise hits them alike
+                runs.append(run_swarm(setting, seed, args.steps, Path(tmp)))
                 print(json.dumps(runs[-1]), flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     result = {"shaper": bare, "steps": args.steps, "seeds": args.seeds, "runs": runs, "summary": summarize(runs),

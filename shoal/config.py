@@ -21,6 +21,7 @@ from shoal.protocol.errors import MalformedMessage
 from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: a scale per row, then int8 rows (protocol/tensors.py)
+OUTER_CODECS = ("float32", "int8", "topk")  # averaging.codec (shoal/train/outer_codec.py)
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # pipeline.compute_dtype (shoal/device.py)
 DEFAULT_MODEL = ModelConfig()
 # ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults
@@ -101,6 +102,10 @@ class AveragingConfig:
     gamma: float = 0.7  # NoLoCo's pull toward the pair mean
     group_size: int = 2  # NoLoCo's n
     exchange_timeout_s: float = 10.0  # no partner by then: a local outer step
+    # what an exchange sends (shoal/train/outer_codec.py): float32, int8 (φ and Δ in int8 blocks) or
+    # topk (φ in int8 blocks, Δ's largest topk_fraction with error feedback; noloco only)
+    codec: str = "float32"
+    topk_fraction: float = 0.02
 
 
 REPAIR_RULES = ("checkfree", "checkfree_plus", "uniform", "copy", "random")
@@ -222,6 +227,9 @@ class RunConfig:
         del data["train"]["eval_every"]
         if self.pipeline.compute_dtype == "auto":  # each node's own device decides: as before it existed
             del data["pipeline"]["compute_dtype"]
+        for key in ("codec", "topk_fraction"):  # at their defaults: the run ids from before they existed
+            if data["averaging"][key] == getattr(AveragingConfig(), key):
+                del data["averaging"][key]
         for key in IMPORTED_MODEL_FIELDS:  # at their defaults: the run ids from before they existed
             if data["model"][key] == getattr(DEFAULT_MODEL, key):
                 del data["model"][key]
@@ -382,6 +390,10 @@ def _validate(cfg: RunConfig) -> None:
     need(0.0 <= a.gamma <= 2.0, "averaging.gamma", f"must be in [0, 2], got {a.gamma}")
     need(a.group_size == 2, "averaging.group_size", f"only pairs (2) are implemented, got {a.group_size}")
     need(a.exchange_timeout_s > 0, "averaging.exchange_timeout_s", "must be positive")
+    need(a.codec in OUTER_CODECS, "averaging.codec", f"must be one of {', '.join(OUTER_CODECS)}, got {a.codec!r}")
+    need(a.codec != "topk" or a.mode == "noloco", "averaging.codec",
+         f"topk needs averaging.mode noloco (an all-reduce sums dense tensors), got mode {a.mode!r}")  # fmt: skip
+    need(0.0 < a.topk_fraction <= 1.0, "averaging.topk_fraction", f"must be in (0, 1], got {a.topk_fraction}")
     r = cfg.repair
     need(r.rule in REPAIR_RULES, "repair.rule", f"must be one of {', '.join(REPAIR_RULES)}, got {r.rule!r}")
     need(

@@ -98,3 +98,28 @@ def test_diloco_all_reduces_every_h_steps_through_hivemind_and_replicas_agree(sw
         assert side["mode"] == "diloco" and side["outer_epoch"] == 3
         assert side["group_steps"] == 3 and side["local_steps"] == 0 and set(side["group_sizes"]) == {2}
     assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6, abs=1e-6)
+
+
+def test_noloco_pairs_exchange_compressed_pseudo_gradients_and_still_come_together(swarm, tmp_path):
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3, "averaging.codec": "topk"})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stats = [tmp_path / f"stage1-{i}.json" for i in (0, 1)]
+    workers = [swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path), wait=False)
+               for path in stats]  # fmt: skip
+    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2", wait=False))
+    for worker in workers:
+        swarm.wait_ready(worker)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0
+    for worker in workers:
+        assert swarm.stop(worker) == 0
+    a, b = (_averaging(path) for path in stats)
+    for side in (a, b):
+        assert side["codec"] == "topk" and side["pair_steps"] == 4 and side["refused"] == 0
+        # φ in int8 blocks and 2 % of Δ: about a seventh of float32's 8 bytes a parameter
+        assert side["bytes_sent"] == 4 * side["bytes_per_exchange"]
+        assert side["screened_out"] == 0  # a Δ that carries earlier epochs' rest is not taken for an attack
+    # both started from one φ and take the same int8 rounding of it, and average the same decoded Δs
+    assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6)

@@ -31,6 +31,7 @@ def _node_row(peer, stats_path: Path) -> dict:
                 "backwards": engine.get("backwards"),
                 "bytes_sent": traffic.get("bytes_sent"),
                 "bytes_received": traffic.get("bytes_received"),
+                "wire_bytes": stats.get("wire_bytes"),
                 "peak_rss_mb": round(stats.get("peak_rss_bytes", 0) / 2**20, 1),
                 "averaging": engine.get("averaging"),
             }
@@ -102,6 +103,15 @@ def repair_summary(events: list[dict], wipe: dict | None) -> list[dict]:
     return rows
 
 
+def wire_per_token(nodes: list[dict], tokens: int) -> dict[str, float]:
+    """Bytes every node sent, by kind (activation, gradient, outer, copy, control), per trained token."""
+    totals: dict[str, int] = {}
+    for node in nodes:
+        for kind, nbytes in (node.get("wire_bytes") or {}).items():
+            totals[kind] = totals.get(kind, 0) + nbytes
+    return {kind: round(nbytes / tokens, 1) for kind, nbytes in totals.items()} if tokens else {}
+
+
 def build_report(
     directory: Path,
     run: RunConfig,
@@ -145,6 +155,7 @@ def build_report(
         "val_losses": [[e["step"], e["val_loss"]] for e in steps if e.get("val_loss") is not None],
     }
     report["averaging"] = averaging_summary(run, report["nodes"])
+    report["wire_bytes_per_token"] = wire_per_token(report["nodes"], sum(e.get("tokens", 0) for e in steps))
     curve = [(e["step"], e["loss"]) for e in steps if e["loss"] is not None]
     marks = [(crash["step"], f"crash (stage {crash['stage']})")] if crash and "stage" in crash else []
     if wipe and "stage" in wipe:

@@ -48,7 +48,7 @@ from shoal.node.net.pipeline_service import EngineService
 from shoal.node.net.reachability import ReachService
 from shoal.node.net.restarts import RestartWatch
 from shoal.node.net.suspects import Suspects, watch_peers
-from shoal.node.net.transport import call, serve, unserve
+from shoal.node.net.transport import WIRE_BYTES, call, serve, unserve
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
@@ -801,6 +801,7 @@ class Node:
             "device_peak_bytes": peak_memory_bytes(self.device),  # torch's on an accelerator, the RSS peak on a CPU
             "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
             "traffic": engine.traffic_counts() if engine else {},
+            "wire_bytes": WIRE_BYTES.counts(),  # sent, by kind (node/net/transport.py)
             "engine": engine.stats() if engine else {},
         }
 

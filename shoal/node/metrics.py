@@ -26,6 +26,7 @@ from shoal.errors import UsageError
 from shoal.http import answer_one_request
 from shoal.node.config import NodeConfig
 from shoal.node.engine import AbandonReason, Engine, Progress
+from shoal.node.net.transport import WIRE_BYTES
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.version import PROTOCOL_VERSION
 
@@ -137,6 +138,7 @@ class NodeCollector:
         yield from self._view()
         yield from self._pipeline(stats, traffic)
         yield _counters("errors", "errors by kind", "kind", self._errors(stats, traffic))
+        yield _counters("wire_bytes", "bytes this node sent, by kind", "kind", WIRE_BYTES.counts())
         if "bundles_sent" in traffic:  # a rollout worker
             kinds = ("sent", "received", "refused", "refused_by_peers")
             bundles = {kind: traffic[f"bundles_{kind}"] for kind in kinds}

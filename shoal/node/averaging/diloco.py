@@ -50,6 +50,8 @@ class DiLoCoAverager(Averager):
         self.group_steps = 0
         self.group_sizes: list[int] = []
         self.clipped = 0  # means the robust outer step clipped toward our own pseudo-gradient
+        # int8: hivemind's 8-bit uniform quantisation of each part (a byte a value, a 256-float lookup)
+        self.codec = averaging.codec
 
     @property
     def maddrs(self) -> list[str]:
@@ -96,6 +98,7 @@ class DiLoCoAverager(Averager):
         first saw none), and hivemind fails an all-reduce whose group outgrows any member's target:
         with 4 replicas, 45 of 80 outer steps fell back to a local step."""
         from hivemind.averaging import DecentralizedAverager
+        from hivemind.compression import NoCompression, Uniform8BitQuantization
         from hivemind.dht import DHT
 
         self.dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -108,6 +111,7 @@ class DiLoCoAverager(Averager):
             min_group_size=2,
             min_matchmaking_time=MIN_MATCHMAKING_S,
             allreduce_timeout=self.timeout_s,
+            compression=Uniform8BitQuantization() if self.codec == "int8" else NoCompression(),
             start=False,
         )
 
@@ -213,10 +217,17 @@ class DiLoCoAverager(Averager):
             "local_steps": self.local_steps,
             "group_sizes": self.group_sizes,
             "exchange_s": [round(t, 4) for t in self.exchange_s],
-            "bytes_per_exchange": 4 * sum(p.numel() for p in self.state.phi),
+            "codec": self.codec,
+            "bytes_per_exchange": self.bytes_per_exchange,
             "phi_checksum": float(sum(float(float64(p).sum()) for p in self.state.phi)),
             "clipped": self.clipped,
         }
+
+    @property
+    def bytes_per_exchange(self) -> int:
+        """What one replica sends of its Δ in an all-reduce (hivemind's parts' framing aside)."""
+        numel = sum(p.numel() for p in self.state.phi)
+        return numel + 4 * 256 * len(self.state.phi) if self.codec == "int8" else 4 * numel
 
     def _outgoing(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """What we put into the all-reduce: our Δ, or what an experiment's hostile replica makes of it."""

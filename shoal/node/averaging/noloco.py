@@ -42,6 +42,7 @@ from shoal.train.outer import (
     pseudo_gradient,
     replica_distance,
 )
+from shoal.train.outer_codec import OuterCodec
 from shoal.train.robust import (
     PartnerVerdict,
     distance,
@@ -53,13 +54,27 @@ from shoal.train.robust import (
 
 logger = logging.getLogger(__name__)
 
-WIRE_DTYPE = "float32"  # both sides must compute bit-identical means
 MAX_REFUSALS_LISTED = 16  # partners refused by the robust outer step, as our record lists them
 # The odd one out of a stage's pairs (every odd number of replicas has one) waits this long for a call:
 # a replica whose view of the stage differs (it just joined, or missed a leave) calls at once if it
 # has the lower id. Its step close waits for its outer step, and so does the data node's next step:
 # waiting a third of the exchange timeout stalled the whole pipeline 3.3 s at every outer step.
 ODD_ONE_OUT_WAIT_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Offer:
+    """What this replica sends for an epoch: φ and Δ as the partner will decode them, their wire
+    pieces, and the error feedback that sending them leaves (kept once an exchange goes through)."""
+
+    phi: list[torch.Tensor]
+    delta: list[torch.Tensor]
+    pieces: list[torch.Tensor]
+    error: list[torch.Tensor] | None
+
+
+def _wire_dtype(piece: torch.Tensor) -> str:
+    return str(piece.dtype).removeprefix("torch.")
 
 
 class NoLoCoAverager(Averager):
@@ -69,7 +84,10 @@ class NoLoCoAverager(Averager):
             alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
         )
         super().__init__(ctx, replica, config)
-        self._offer: asyncio.Future | None = None  # our (phi, delta) for the epoch in progress
+        self.codec = OuterCodec(averaging.codec, averaging.topk_fraction)
+        self.error: list[torch.Tensor] | None = None  # what our compressed Δs left out (outer_codec.py)
+        self.bytes_sent = 0  # outer-exchange bytes this replica sent
+        self._offer: asyncio.Future | None = None  # our Offer for the epoch in progress
         self._offer_epoch = -1
         self._answered: asyncio.Future | None = None  # a partner's (phi, delta), once exchanged
         self.pair_steps = 0
@@ -89,11 +107,13 @@ class NoLoCoAverager(Averager):
     async def _outer_step(self, epoch: int) -> None:
         """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
         worker = self.worker
-        delta = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
+        full = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
+        offer = await worker.compute(self._encode, full, priority=BACKWARD)
+        delta = offer.delta  # Δ as the partner decodes it: what both of us average
         loop = asyncio.get_running_loop()
         self._answered = loop.create_future()
         self._offer = loop.create_future()
-        self._offer.set_result((list(self.state.phi), delta))
+        self._offer.set_result(offer)
         self._offer_epoch = epoch
         try:
             await self.ctx.refresh_view()  # a fresh list of the stage's replicas: pairs are drawn from it
@@ -109,11 +129,11 @@ class NoLoCoAverager(Averager):
                 if self._others():  # the odd one out, or our views differ: someone may still ask
                     theirs = await self._wait_for_call(min(ODD_ONE_OUT_WAIT_S, self.timeout_s / 3))
             elif self.ctx.peer_id < partner:
-                theirs = await self._call(partner, epoch, list(self.state.phi), delta)
+                theirs = await self._call(partner, epoch, offer)
                 theirs = theirs or await self._wait_for_call(self.timeout_s / 3)
             else:
                 theirs = await self._wait_for_call(self.timeout_s / 3)
-                theirs = theirs or await self._call(partner, epoch, list(self.state.phi), delta)
+                theirs = theirs or await self._call(partner, epoch, offer)
         except Exception as e:  # an unreachable partner, a broken stream, bad tensors: a local step
             logger.info("[%s] epoch %d: exchange failed (%r)", self.ctx.short_id, epoch, e)
         finally:
@@ -122,9 +142,18 @@ class NoLoCoAverager(Averager):
             theirs = self._answered.result()
         if theirs is None:
             logger.info("[%s] epoch %d: no partner in time; local outer step", self.ctx.short_id, epoch)
-        if theirs is not None:
+            if self.error is not None:  # nothing was sent: the step takes all that is owed, exactly
+                full = [d + e for d, e in zip(full, self.error, strict=True)]
+            delta, self.error = full, None
+        else:
             self.exchange_s.append(time.monotonic() - started)
+            self.error = offer.error
         await self._apply(epoch, delta, theirs)
+
+    def _encode(self, delta: list[torch.Tensor]) -> Offer:
+        phi = list(self.state.phi)
+        pieces, sent, error = self.codec.encode_delta(delta, self.error)
+        return Offer(phi, sent, self.codec.encode_phi(phi) + pieces, error)
 
     async def _wait_for_call(self, timeout_s: float):
         """A partner's tensors if one calls us within `timeout_s` (our views of the stage may differ:
@@ -171,15 +200,15 @@ class NoLoCoAverager(Averager):
 
     # ---- the exchange, both sides ------------------------------------------------------------------
 
-    async def _call(self, partner: str, epoch: int, phi, delta) -> tuple[list, list] | None:
+    async def _call(self, partner: str, epoch: int, offer: Offer) -> tuple[list, list] | None:
         try:
             stream = await open_call(self.ctx.p2p, partner, "rpc_gossip", self.timeout_s)
         except Exception as e:
             self.ctx.suspects.mark(partner, f"gossip dial failed: {e!r}")
             raise
         try:
-            await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(phi)))
-            await self._send(stream, phi, delta)
+            await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(offer.phi)))
+            await self._send(stream, offer)
             ack = await read_reply(stream, Ack)
             if not ack.accepted:
                 self.refused += 1
@@ -198,10 +227,9 @@ class NoLoCoAverager(Averager):
             reason = None if offer is not None else f"not at epoch {request.epoch} in time"
         if reason is not None:
             return Ack(accepted=False, reason=reason)
-        phi, delta = offer
         self._offer_epoch = -1  # one exchange per epoch
         await stream.write_message(Ack(accepted=True))
-        await self._send(stream, phi, delta)
+        await self._send(stream, offer)
         if self._answered is not None and not self._answered.done():
             self._answered.set_result((*theirs, sender))
         return None
@@ -228,19 +256,25 @@ class NoLoCoAverager(Averager):
             await asyncio.sleep(0.02)
         return None
 
-    async def _send(self, stream: FramedStream, phi, delta) -> None:
-        phi, delta = self.worker.hooks.outer(phi, delta)  # an experiment's hostile replica: what its attack makes
-        for tensor in (*phi, *delta):
-            await stream.write_tensor(tensor, WIRE_DTYPE)
+    async def _send(self, stream: FramedStream, offer: Offer) -> None:
+        phi, delta = self.worker.hooks.outer(offer.phi, offer.delta)  # an experiment's hostile replica
+        pieces = offer.pieces
+        if phi is not offer.phi or delta is not offer.delta:  # its attack changed them: send those
+            pieces = self.codec.encode_phi(phi) + self.codec.encode_delta(delta, None)[0]
+        for piece in pieces:
+            self.bytes_sent += await stream.write_exact(piece, _wire_dtype(piece))
 
     async def _receive(self, stream: FramedStream) -> tuple[list, list]:
-        tensors = []
-        for reference in (*self.state.phi, *self.state.phi):
-            spec = TensorSpec(WIRE_DTYPE, tuple(reference.shape))
-            tensors.append(await stream.read_tensor(spec, max_bytes=reference.numel() * 4, device=reference.device))
-        half = len(self.state.phi)
-        phi, delta = tensors[:half], tensors[half:]
+        shapes = [tuple(p.shape) for p in self.state.phi]
+        device = self.state.phi[0].device if self.state.phi else None
+        pieces = []
+        for want in self.codec.phi_specs(shapes) + self.codec.delta_specs(shapes):
+            spec = TensorSpec(want.dtype, want.shape, want.max_abs)
+            pieces.append(await stream.read_exact(spec, max_bytes=max(1, want.nbytes), device=device))
+        half = len(self.codec.phi_specs(shapes))
         try:
+            phi = self.codec.decode_phi(pieces[:half], shapes)
+            delta = self.codec.decode_delta(pieces[half:], shapes)
             check_partner_tensors(phi, self.state.phi, "partner phi", dtype=torch.float32)
             check_partner_tensors(delta, self.state.phi, "partner delta", dtype=torch.float32)
         except BadTensor:
@@ -257,7 +291,9 @@ class NoLoCoAverager(Averager):
             "refused": self.refused,
             "replica_distance": [[step, round(d, 6)] for step, d in self.distances],
             "exchange_s": [round(t, 4) for t in self.exchange_s],
-            "bytes_per_exchange": 2 * 4 * sum(p.numel() for p in self.state.phi),  # φ and θ − φ, float32, each way
+            "codec": self.codec.name,
+            "bytes_per_exchange": self.codec.bytes_per_exchange([tuple(p.shape) for p in self.state.phi]),  # one way
+            "bytes_sent": self.bytes_sent,
             "phi_checksum": float(sum(float(float64(p).sum()) for p in self.state.phi)),
             "screened_out": self.screened_out,
             "outer_log": [step.as_list() for step in self.outer_log],
@@ -310,9 +346,12 @@ class NoLoCoAverager(Averager):
         return refused_by_partners(refusals, stage_of)
 
     def _step_bound(self, epoch: int) -> float:
-        """M for this epoch's H inner steps (robust.epoch_step_bound), at the run's learning rates."""
+        """M for this epoch's H inner steps (robust.epoch_step_bound), at the run's learning rates. Under
+        top-k a sent Δ carries what earlier epochs' left out (error feedback), so its bound is every
+        epoch's so far: ‖topk(Δ_t + e)‖ ≤ ‖Δ_1 + … + Δ_t‖ (a weaker screen; docs/security.md)."""
         run, parameters = self.ctx.run, sum(p.numel() for p in self.state.phi)
-        return epoch_step_bound(run.optim, run.train.steps, self.config.inner_steps, epoch, parameters)
+        epochs = range(1, epoch + 1) if self.codec.name == "topk" else (epoch,)
+        return sum(epoch_step_bound(run.optim, run.train.steps, self.config.inner_steps, e, parameters) for e in epochs)
 
     @property
     def excluded(self) -> list[dict]:

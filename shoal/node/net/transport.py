@@ -49,6 +49,28 @@ POOL_PER_KEY = 4  # idle streams kept per (peer, rpc)
 SEND_BUFFER_BYTES = 4 * 2**20
 
 
+WIRE_KINDS = ("activation", "gradient", "outer", "copy", "control")
+
+
+class WireBytes:
+    """Bytes this process wrote to its streams, by kind: activations and their gradients between
+    stages, outer exchanges between replicas, stage copies to joiners, and control (every other
+    message). Frame lengths count; a hop's request, written with its tensor, counts with the tensor.
+    The DHT's own traffic runs inside the p2p daemon and is not seen here."""
+
+    def __init__(self) -> None:
+        self.sent = dict.fromkeys(WIRE_KINDS, 0)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] += nbytes
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.sent)
+
+
+WIRE_BYTES = WireBytes()
+
+
 class EndOfStream(Exception):
     """A kept stream ended, or stayed idle, between two requests: a normal close, not an error."""
 
@@ -92,7 +114,9 @@ class FramedStream:
             raise EndOfStream("closed by the peer")
         return first
 
-    async def write_frames(self, frames: Sequence[bytes | memoryview], starts_message: bool = True) -> None:
+    async def write_frames(
+        self, frames: Sequence[bytes | memoryview], starts_message: bool = True, kind: str = "control"
+    ) -> None:
         """Frames in one vectored write: a hop's request, tensor header and activation reach the local
         p2p daemon as one piece, where separate writes cost a system call each here and a read, a
         stream frame and an encryption each in both daemons (six of each per hop, not one).
@@ -101,9 +125,11 @@ class FramedStream:
         parts: list[bytes | memoryview] = []
         for frame in frames:
             parts += [len(frame).to_bytes(FRAME_LENGTH_BYTES, "big"), frame]
+        nbytes = sum(len(p) for p in parts)
+        WIRE_BYTES.add(kind, nbytes)
         link = shaper.current()
         if link is not None:
-            await link.before_send(self.peer, sum(len(p) for p in parts), starts_message)
+            await link.before_send(self.peer, nbytes, starts_message)
         self.writer.writelines(parts)
         if self.writer.transport.get_write_buffer_size() == 0:
             await self.writer.drain()  # all written: nothing to wait for, only a lost connection to report
@@ -120,7 +146,9 @@ class FramedStream:
     async def write_message(self, message: object) -> None:
         await self.write_frames((encode(message),))
 
-    async def write_tensor(self, tensor: Any, wire_dtype: str, leading: Sequence[object] = ()) -> int:
+    async def write_tensor(
+        self, tensor: Any, wire_dtype: str, leading: Sequence[object] = (), kind: str = "activation"
+    ) -> int:
         """Send a torch tensor as a header frame and raw chunk frames, after the `leading` messages and
         in the same write as its first chunk; returns the tensor's bytes. Each further chunk is a write
         of its own, with the stream's deadline for each."""
@@ -129,22 +157,38 @@ class FramedStream:
 
         if wire_dtype in QUANTIZED_DTYPES:  # int8 rows: the scales, then the values (torch_tensors.py)
             scales, values = quantize_rows(tensor)
-            sent = await self._write_frames_of(to_host(scales), "float32", leading)
-            return sent + await self._write_frames_of(to_host(values), wire_dtype, (), starts_message=False)
+            sent = await self._write_frames_of(to_host(scales), "float32", leading, kind=kind)
+            return sent + await self._write_frames_of(to_host(values), wire_dtype, (), False, kind)
         if tensor.device.type != "cpu" and wire_dtype in TORCH_DTYPES:  # cast on the device: fewer bytes to copy
             tensor = to_host(tensor.detach().to(TORCH_DTYPES[wire_dtype]))
-        return await self._write_frames_of(tensor, wire_dtype, leading)
+        return await self._write_frames_of(tensor, wire_dtype, leading, kind=kind)
 
     async def _write_frames_of(
-        self, tensor: Any, wire_dtype: str, leading: Sequence[object], starts_message: bool = True
+        self,
+        tensor: Any,
+        wire_dtype: str,
+        leading: Sequence[object],
+        starts_message: bool = True,
+        kind: str = "activation",
     ) -> int:
         from shoal.protocol.torch_tensors import tensor_to_frames
 
         header, chunks = tensor_to_frames(tensor, wire_dtype)
-        await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]], starts_message)
+        await self.write_frames([*(encode(m) for m in leading), encode(header), *chunks[:1]], starts_message, kind)
         for chunk in chunks[1:]:
-            await self.write_frames((chunk,), starts_message=False)
+            await self.write_frames((chunk,), False, kind)
         return header.nbytes
+
+    async def write_exact(self, tensor: Any, wire_dtype: str, kind: str = "outer") -> int:
+        """Send a tensor in `wire_dtype` as a plain dtype (int8 values included, never the int8-rows
+        codec): for pieces a codec has already made (shoal/train/outer_codec.py). Returns its bytes."""
+        from shoal.device import to_host
+
+        return await self._write_frames_of(to_host(tensor), wire_dtype, (), kind=kind)
+
+    async def read_exact(self, spec: TensorSpec, max_bytes: int | None = None, device: Any = None) -> Any:
+        """Receive one tensor sent by `write_exact`, checked against `spec`, in its wire dtype."""
+        return await self._read_one(spec, None, max_bytes, device)
 
     async def read_tensor(
         self, spec: TensorSpec, compute_dtype: Any = None, max_bytes: int | None = None, device: Any = None

@@ -227,7 +227,8 @@ class PipelineEngine:
             except Exception as e:
                 raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
             try:
-                sent = await stream.write_tensor(tensor, self.wire_dtype, leading=(request,))
+                kind = "gradient" if rpc in ("rpc_backward", "rpc_recompute") else "activation"
+                sent = await stream.write_tensor(tensor, self.wire_dtype, leading=(request,), kind=kind)
                 ack = await read_reply(stream, Ack)
                 break
             except RemoteError as e:

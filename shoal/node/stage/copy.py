@@ -91,7 +91,7 @@ async def _serve(worker: StageHolder, stream: FramedStream) -> None:
     )
     await stream.write_message(header)
     for tensor in (*theta, *phi):
-        await stream.write_tensor(tensor, WIRE_DTYPE)
+        await stream.write_tensor(tensor, WIRE_DTYPE, kind="copy")
 
 
 @dataclass(frozen=True)
