@@ -32,6 +32,10 @@ from shoal.config import COMPUTE_DTYPES
 logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+DEVICE_HELP = (
+    f"where to compute: {DEVICE_CHOICES}; auto (the default) takes the first CUDA device, else Apple's MPS, "
+    "else the CPU"
+)
 _SPEC = re.compile(r"auto|cpu|mps|cuda(:\d{1,3})?")
 
 

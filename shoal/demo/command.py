@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from shoal.config import REPAIR_RULES
+from shoal.device import DEVICE_HELP
 from shoal.errors import UsageError
 from shoal.train.command import add_run_arguments, resolve_run
 
@@ -42,8 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default="auto",
-        help="where every node computes: auto (default: the first CUDA device, else MPS, else the CPU), cpu, cuda, "
-        "cuda:N or mps (the nodes share it)",
+        help=f"{DEVICE_HELP} (every node computes there: they share it)",
     )
     parser.add_argument(
         "--crash-at-step",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from shoal.config import ConfigError
-from shoal.device import check_device_spec
+from shoal.device import DEVICE_HELP, check_device_spec
 from shoal.options import add_option_groups, from_args, option
 
 ROLES = ("auto", "data", "worker", "rollout")
@@ -166,8 +166,7 @@ class LimitOptions:
     )
     device: str = option(
         "auto",
-        "where to compute: auto (default: the first CUDA device, else Apple MPS, else the CPU), cpu, cuda, cuda:N "
-        "or mps",
+        DEVICE_HELP,
         flag="--device",
     )
     memory_limit_gib: float | None = option(

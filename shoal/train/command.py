@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from shoal.config import DEFAULT_RUN, ConfigError, RunConfig, RunSource, load_run_source
+from shoal.device import DEVICE_HELP
 from shoal.errors import UsageError
 
 
@@ -61,12 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--report", default="report", metavar="DIR", help="write report.json and loss.png here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="where to compute: auto (default: the first CUDA device, else MPS, else the CPU), cpu, cuda, cuda:N "
-        "or mps",
-    )
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--export", default=None, metavar="DIR", help="also write the trained model as a Hugging Face checkpoint"

@@ -123,7 +123,7 @@ def exclusions(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def device_label(device: dict[str, Any]) -> str:
-    """`cuda NVIDIA H200 bf16`, `cpu AMD EPYC`: kind, name, and the precision where it is not float32."""
+    """The device's kind, its name, and the precision where it is not float32 (`cpu AMD EPYC`)."""
     precision = " bf16" if device["compute_dtype"] == "bfloat16" else ""
     return f"{device['kind']} {device['name'][:24]}{precision}"
 
