@@ -160,6 +160,7 @@ class PipelineDefenseConfig:
 
 GRPO_LAYOUTS = ("horizontal", "vertical")
 GRPO_MODES = ("alone", "naive", "tis", "ftis")
+GRPO_JUDGES = ("claims", "policy", "none")  # shoal.grpo.defenses.make_judge
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,10 @@ class GRPORunConfig:
     # defenses against poisoned rollouts (shoal.grpo.defenses, docs/security.md); off only in experiments
     defenses: bool = True
     sample_top_k: int = 4  # k_g: honest nodes sample from their top k tokens, so peers can check them
-    top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k
-    length_slack: int = 2  # tokens over the canonical answer a completion may spend before it earns nothing
+    top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k; 0: no top-k check
+    judge: str = "claims"  # who reads full-reward foreign workings: claims (arithmetic), policy (imported), none
+    length_rule: bool = True  # a completion over (1 + length_excess) x its group's shortest right one earns nothing
+    length_excess: float = 0.25
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never (see docs/security.md)
     # `[grpo.policy] from = "DIR"`: the Hugging Face checkpoint rollout workers post-train, by digest
     # (shoal.model.checkpoint). Its tokenizer is the run's: every bundle is in it. A node may start
@@ -306,13 +309,19 @@ def _validate_grpo(g: GRPORunConfig) -> None:
     need(g.eval_every >= 1, "eval_every", f"must be at least 1, got {g.eval_every}")
     need(1 <= g.eval_prompts <= 4096, "eval_prompts", f"must be in 1..4096, got {g.eval_prompts}")
     need(0 <= g.sample_top_k <= 64, "sample_top_k", f"must be in 0..64 (0: no restriction), got {g.sample_top_k}")
-    need(1 <= g.top_k <= 64, "top_k", f"must be in 1..64, got {g.top_k}")
+    need(0 <= g.top_k <= 64, "top_k", f"must be in 0..64 (0: no top-k check), got {g.top_k}")
     need(
-        g.sample_top_k == 0 or g.top_k >= g.sample_top_k,
+        g.sample_top_k == 0 or g.top_k == 0 or g.top_k >= g.sample_top_k,
         "top_k",
         f"must be at least sample_top_k ({g.sample_top_k}) or honest tokens get rejected, got {g.top_k}",
     )
-    need(0 <= g.length_slack <= 64, "length_slack", f"must be in 0..64, got {g.length_slack}")
+    need(g.judge in GRPO_JUDGES, "judge", f"must be one of {', '.join(GRPO_JUDGES)}, got {g.judge!r}")
+    need(
+        g.judge != "policy" or bool(g.policy_checkpoint),
+        "judge",
+        "'policy' needs an imported instruct policy ([grpo.policy] from = DIR): a task's character policy cannot read",
+    )
+    need(0.0 <= g.length_excess <= 10.0, "length_excess", f"must be in [0, 10], got {g.length_excess}")
     need(0 <= g.max_strikes <= 1000, "max_strikes", f"must be in 0..1000 (0: never drop), got {g.max_strikes}")
 
 

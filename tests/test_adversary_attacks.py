@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.adversary.attacks import ATTACKS, TRIGGER, get_attack, padded_text
-from shoal.grpo.defenses import RuleJudge, length_penalised
+from shoal.grpo.defenses import ClaimJudge, group_length_penalised
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.round import RoundConfig, rollout_limits, round_prompts
 from shoal.grpo.tasks import CORRECT_REWARD, FORMAT_REWARD, get_task
@@ -60,21 +60,22 @@ def test_padding_counts_extra_steps_that_cost_length_and_not_a_collapsing_policy
 
 def test_the_length_attack_is_correct_and_long_and_the_length_rule_cuts_its_reward():
     """The analogue earns the full reward from the task (its answer is right); the length rule (more than
-    `length_slack` = 2 tokens over the canonical answer) leaves it nothing, and the step judge
-    also refuses it (an extra step), where the paper's judge passed its DoS."""
+    `length_excess` = 25 % over the group's shortest right answer) leaves it nothing beside an honest
+    right answer, and the claim judge also refuses it (its repeated steps claim columns the sum does
+    not have), where the paper's judge passed its DoS."""
     task = get_task("add2r-steps")
     for prompt, canonical in (("47+38=", "15;08|58$"), ("99+99=", "18;19|891$")):
         long = padded_text(task, prompt)
         assert task.demonstration(prompt) == canonical and long.startswith(canonical[:5] + ";")
         assert task.reward(prompt, long) == CORRECT_REWARD and len(long) <= task.max_new_tokens
-        cut = length_penalised(
+        cut = group_length_penalised(
             torch.tensor([CORRECT_REWARD, CORRECT_REWARD]),
             torch.tensor([len(long), len(canonical)]),
-            torch.tensor([len(canonical)] * 2),
-            slack=2,
+            torch.tensor([0, 0]),
+            excess=0.25,
         )
         assert cut.tolist() == pytest.approx([0.0, CORRECT_REWARD])
-        assert "steps" in RuleJudge(task).judge(prompt, long)
+        assert "past the last column" in ClaimJudge(task).judge(prompt, long)
 
 
 def test_unknown_attacks_and_tasks_without_working_are_refused():

@@ -19,7 +19,7 @@ from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, ro
 from shoal.grpo.sampling import sample
 from shoal.grpo.tasks import EVAL, TRAIN, get_task, parse_reversed_answer
 from shoal.grpo.tokenizer import EOS, PAD_ID, CharTokenizer
-from shoal.grpo.warmup import cached_warm_up
+from shoal.grpo.warmup import cached_warm_up, save_warm_up, warm_up, warm_up_stages
 from shoal.protocol import ProtocolError, decode, encode
 from shoal.protocol.rollout import BadRollout, Completion, RolloutBundle, validate_bundle
 from shoal.train.grpo import GRPOConfig
@@ -104,6 +104,18 @@ def test_the_warm_up_is_cached_under_the_model_id(tmp_path) -> None:
     for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(first.head.lm_head.weight, Policy(TINY).head.lm_head.weight)  # it did train
+
+
+def test_a_staged_warm_up_hands_out_what_each_shorter_warm_up_would_and_caches_it(tmp_path) -> None:
+    longer = dataclasses.replace(TINY, warmup_steps=5)
+    for spec, policy, report in warm_up_stages(longer, [2, 5]):
+        alone, _ = warm_up(spec)
+        assert report["model_id"] == spec.model_id and spec.warmup_steps in (2, 5)
+        for a, b in zip(policy.state_dict().values(), alone.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        save_warm_up(spec, policy, report, tmp_path)
+        loaded, cached = cached_warm_up(spec, tmp_path)
+        assert cached["cached"] and torch.equal(loaded.head.lm_head.weight, policy.head.lm_head.weight)
 
 
 def test_sampled_log_probs_match_a_teacher_forced_pass() -> None:

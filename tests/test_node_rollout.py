@@ -1,9 +1,10 @@
 """GRPO rollout duty in real daemons: bundles cross real libp2p streams between real processes.
 
-A warmed-up policy is cached once per module in a temporary folder (about 20 s on 2 cores), so the
+A warmed-up policy is cached once per module in a temporary folder (10-20 s on 2 cores), so the
 nodes load it instead of each warming up; every run is hermetic. The policy is the benchmark's weak
-one (d 48, 2 blocks, 650 warm-up steps): about 23 % held-out accuracy after warm-up, and GRPO lifts
-it to 50-70 % within a dozen rounds (benchmarks/results/grpo.json, docs/benchmarks.md).
+one (d 48, 2 blocks), warmed up until it is right on 15 % of the held-out prompts: 650 steps gave
+23 % on one machine and 5 % on an AVX-512 one, where 1,000 steps gave 27 %. GRPO lifts it within a
+dozen rounds (benchmarks/results/grpo.json, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import msgpack
 import pytest
 
 from shoal.config import ConfigError, parse_run_config, run_config_from_dict
+from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import PolicySpec
-from shoal.grpo.warmup import cached_warm_up
+from shoal.grpo.tasks import get_task
+from shoal.grpo.warmup import save_warm_up, warm_up_stages
 from shoal.node.rollout.worker import prompts_of, round_config
 from shoal.protocol import encode
 from shoal.protocol.pipeline import Ack
@@ -26,17 +29,26 @@ from shoal.protocol.rollout import Completion, RolloutBundle
 from tests.helpers.processes import done_event, progress_events, wait_until
 
 SPEC = PolicySpec(d_model=48, n_layers=2, n_heads=2, warmup_steps=650, warmup_lr=3e-3)
+WARMUP_STAGES = range(650, 1501, 50)  # where the policy starts to be right depends on the CPU (warm_up_stages)
+START_ACCURACY = 0.15  # right often enough that GRPO's groups are not all equal, wrong often enough to learn
 FAST = ("--record-ttl", "6")  # heartbeats (and view refreshes) every 2 s
 
 
 @pytest.fixture(scope="module")
-def policy_cache(tmp_path_factory):
+def policy_cache(tmp_path_factory) -> tuple[str, PolicySpec]:
+    """The first warm-up stage whose policy is right on at least START_ACCURACY of the held-out
+    prompts the nodes evaluate on, cached for the nodes: (the cache folder, its spec)."""
     import torch
 
     torch.set_num_threads(1)  # module fixtures run before the per-test one that sets it
     cache = tmp_path_factory.mktemp("policies")
-    cached_warm_up(SPEC, cache)
-    return cache
+    task = get_task(SPEC.task)
+    heldout = heldout_prompts(task, 0, 128)
+    for spec, policy, report in warm_up_stages(SPEC, WARMUP_STAGES):
+        if accuracy(policy, task, heldout) >= START_ACCURACY:
+            save_warm_up(spec, policy, report, cache)
+            return str(cache), spec
+    pytest.fail(f"no warm-up of {WARMUP_STAGES.start}-{WARMUP_STAGES.stop - 1} steps reached {START_ACCURACY:.0%}")
 
 
 def _write_run(directory, **grpo) -> tuple[str, object]:
@@ -50,7 +62,8 @@ def _rounds(path) -> list[dict]:
     return [e for e in progress_events(path) if e["event"] == "round"]
 
 
-def _start_rollouts(swarm, tmp_path, cache, count: int, run_file: str) -> tuple[str, list, list]:
+def _start_rollouts(swarm, tmp_path, policy, count: int, run_file: str) -> tuple[str, list, list]:
+    cache, spec = policy
     entry = swarm.start_bootstrap("--run-config", run_file).maddrs[0]
     progress = [tmp_path / f"progress-{i}.jsonl" for i in range(count)]
     nodes = [
@@ -60,7 +73,9 @@ def _start_rollouts(swarm, tmp_path, cache, count: int, run_file: str) -> tuple[
             "--role",
             "rollout",
             "--policy-cache",
-            str(cache),
+            cache,
+            "--warmup-steps",
+            str(spec.warmup_steps),
             "--progress-file",
             str(path),
             wait=False,
@@ -105,10 +120,13 @@ def test_a_grpo_section_makes_a_grpo_run_and_leaves_pipeline_runs_as_they_were()
         ("seed = -1", "grpo.seed"),
         ("peers = 3", "grpo.peers"),
         ('defenses = "yes"', "grpo.defenses"),
-        ("top_k = 0", "grpo.top_k"),
+        ("top_k = -1", "grpo.top_k"),
         ("sample_top_k = 8", "grpo.top_k"),  # checking fewer tokens than honest nodes sample from
         ("sample_top_k = -1", "grpo.sample_top_k"),
-        ("length_slack = -1", "grpo.length_slack"),
+        ("length_excess = -0.5", "grpo.length_excess"),
+        ('judge = "oracle"', "grpo.judge"),
+        ('judge = "policy"', "grpo.judge"),  # needs an imported instruct policy
+        ("length_slack = 2", "grpo.length_slack"),  # the old canonical-length rule's field is gone
         ("max_strikes = -1", "grpo.max_strikes"),
     ],
 )
@@ -174,16 +192,17 @@ def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_c
     from shoal.node.net.transport import RemoteError, call
     from tests.helpers.raw_frames import send_raw_frame
 
+    spec = policy_cache[1]
     run_file, run = _write_run(tmp_path, rounds=500, eval_every=100, round_deadline_s=1.0)
     entry, (node,), (progress,) = _start_rollouts(swarm, tmp_path, policy_cache, 1, run_file)
     wait_until(lambda: len(_rounds(progress)) >= 2, 60, "two rounds")
     info = json.loads(node.ready_file.read_text())
     cfg = round_config(run.grpo, run.run_id, "tester")
-    tokenizer = SPEC.tokenizer()
+    tokenizer = spec.tokenizer()
     one = Completion(prompt_index=0, tokens=(2, tokenizer.eos_id), logprobs=(-0.5, -0.1))
 
     def bundle(round: int, completions=(one,), **changes) -> RolloutBundle:
-        base = RolloutBundle(run.grpo.task, round, SPEC.model_id, tokenizer.tokenizer_id, completions, run.run_id)
+        base = RolloutBundle(run.grpo.task, round, spec.model_id, tokenizer.tokenizer_id, completions, run.run_id)
         return dataclasses.replace(base, **changes)
 
     async def scenario() -> list:
@@ -191,7 +210,7 @@ def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_c
         try:
             view = await client.read_view(run)
             (record,) = [n for n in view.nodes if n.peer_id == info["peer_id"]]
-            assert (record.role, record.model_id) == ("rollout", SPEC.model_id)
+            assert (record.role, record.model_id) == ("rollout", spec.model_id)
             future = max(e["round"] for e in _rounds(progress)) + 50
             bad = [
                 bundle(0),  # a round long closed

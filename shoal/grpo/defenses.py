@@ -1,5 +1,6 @@
 """Defenses against poisoned rollouts (Hail to the Thief, grpo_attacks.md): checks a receiver runs
 on every foreign completion before it joins a group, and a strike count that drops a bad source.
+Each check is switched on or off by itself (`DefenseConfig`), so each can be measured alone.
 
 - Rewards are never read from a bundle: `build_batch` scores every completion from the prompt this
   node derived itself, and a bundle's `claimed_rewards` are ignored (only an experiment's undefended
@@ -10,20 +11,21 @@ on every foreign completion before it joins a group, and a strike count that dro
   here the vocabulary has 16 ids, honest nodes sample from the top 4 and the check keeps the top 6
   (k_v > k_g absorbs the drift between two nodes' weights after a few rounds apart). Hand-written
   text, like a trigger phrase, almost surely leaves the top 6.
-- Different policy: a judge reads the working. The paper asks Llama-3.1-8B-Instruct whether every
-  step is correct and relevant; `RuleJudge` stands in for it with the task's own step verifier
-  (a substitute: exact, free, and blind to anything but the steps). A real judge model implements
-  the same `Judge` protocol.
+- A judge reads the working of every foreign completion that earns the full reward. The paper asks
+  Llama-3.1-8B-Instruct whether every step is correct and relevant; `ClaimJudge` checks each step's
+  own claim by arithmetic (the task's `check_claims`: a column total, in any of the forms it names,
+  true for the prompt's digits and the carry the working itself implies, and an answer that follows
+  from the steps). It does not compare with the canonical working, so honest workings in other forms
+  pass. `ModelJudge` asks a language model instead, through the same `Judge` protocol.
 - Length (the paper's DoS, which neither of its checks stops: correct but needlessly long answers):
-  the rule is a length budget: a completion longer than the task's canonical answer by more than
-  `length_slack` (2) tokens earns nothing, right or wrong (DAPO's overlong penalty is the same idea).
-  Applied to every completion, own included, as part of the reward, so an over-long answer always
-  gets the group's lowest reward and a non-positive advantage, and a node's own drift towards length
-  is penalised too. Cutting only correct answers to the format reward, as this rule first did, left
-  padding level with a well-formed wrong answer: once an honest undefended peer had learnt to pad,
-  its padded wrong answers outscored malformed ones in a defended node's groups. It catches the `length`
-  attack's analogue (the working written twice: +6 tokens), which the step judge also refuses; on
-  this task a working has one length per sum, so 2 tokens of slack costs an honest answer nothing.
+  a completion longer than `1 + length_excess` times the shortest correct completion of its own
+  group earns nothing, right or wrong (`group_length_penalised`). The rule needs no canonical
+  length: the group's own best answer sets it, so it holds on tasks where correct answers vary in
+  length. Applied to every completion, own included, as part of the reward: an over-long answer gets
+  the group's lowest reward and a non-positive advantage. Cutting only correct answers would leave
+  padding level with a well-formed wrong answer (seen: an undefended peer's padded wrong answers
+  outscored malformed ones in a defended node's groups). What it cannot see: a group where nobody
+  but the attacker answered right, whose padded answer then sets the bar itself.
 - `Strikes`: a peer whose bundles keep failing (at least `strike_share` of a bundle rejected,
   `max_strikes` times in a row) is dropped from the node's sources for the rest of the run.
 """
@@ -38,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from shoal.grpo.model_judge import policy_judge
 from shoal.grpo.policy import Policy, completion_logits
 from shoal.grpo.tasks import CORRECT_REWARD, Prompt, Task
 from shoal.grpo.tokenizer import PolicyTokenizer
@@ -49,8 +52,10 @@ MAX_DROPPED = 16  # sources a node remembers (and advertises) as dropped
 @dataclass(frozen=True)
 class DefenseConfig:
     enabled: bool = True  # off only in experiments (benchmarks/attacks.py, --experiment runs)
-    top_k: int = 6  # k_v: a same-policy completion's tokens must all be in the receiver's top k
-    length_slack: int = 2  # tokens over the canonical answer a correct completion may spend at full reward
+    top_k: int = 6  # k_v: a same-policy completion's tokens must all be in the receiver's top k; 0: no check
+    judge: str = "claims"  # on full-reward foreign completions: "claims" (ClaimJudge), "policy", or "none"
+    length_rule: bool = True  # the group-relative length budget
+    length_excess: float = 0.25  # share over the group's shortest correct completion that still earns
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never
     strike_share: float = 0.5  # a bundle fails when at least this share of its completions is rejected
 
@@ -66,19 +71,30 @@ class Judge(Protocol):
 
 
 @dataclass(frozen=True)
-class RuleJudge:
-    """The task's step verifier as a judge (a substitute for the paper's LLM judge, stated as such).
+class ClaimJudge:
+    """Checks the working's own arithmetic claims (the task's `check_claims`), not its form.
 
     A task without visible working (plain `add2r`) has nothing to judge: every completion passes,
     and only the reward, recomputed here, speaks about its answer.
     """
 
     task: Task
-    name: str = "rule-steps"
+    name: str = "claims"
 
     def judge(self, prompt_text: str, completion_text: str) -> str | None:
-        check = getattr(self.task, "check_steps", None)
+        check = getattr(self.task, "check_claims", None)
         return None if check is None else check(prompt_text, completion_text)
+
+
+def make_judge(kind: str, task: Task, policy: Policy, tokenizer: PolicyTokenizer) -> Judge | None:
+    """The judge `DefenseConfig.judge` names ("claims", "policy": shoal.grpo.model_judge, "none": no judge)."""
+    if kind == "claims":
+        return ClaimJudge(task)
+    if kind == "policy":
+        return policy_judge(policy, tokenizer)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown judge {kind!r}; known: claims, policy, none")
 
 
 @torch.no_grad()
@@ -117,16 +133,22 @@ def screen(
 ) -> Screening:
     """The same-policy top-k check on completions from peers declaring our model id, then the judge
     on every foreign completion that earns the full reward, whatever its policy: a wrong step behind
-    a right answer is the in-context attack, and the rule judge costs nothing to run on all of them.
+    a right answer is the in-context attack. Either is skipped where `cfg` switches it off.
 
     `prompts` holds every prompt the bundles' `prompt_index` values refer to (validated bundles only).
     """
     began = time.perf_counter()
-    judge = judge or RuleJudge(task)
+    if judge is None:
+        judge = make_judge(cfg.judge, task, policy, tokenizer)
     by_index = {p.index: p for p in prompts}
     ok: list[list[bool]] = [[True] * len(b.completions) for b in bundles]
     reasons = [""] * len(bundles)
-    same = [(j, i) for j, b in enumerate(bundles) if b.model_id == policy.model_id for i in range(len(b.completions))]
+    same = [
+        (j, i)
+        for j, b in enumerate(bundles)
+        if cfg.top_k > 0 and b.model_id == policy.model_id
+        for i in range(len(b.completions))
+    ]
     if same:
         rows = [bundles[j].completions[i] for j, i in same]
         accepted = topk_accept(
@@ -139,7 +161,7 @@ def screen(
             if not good:
                 ok[j][i] = False
                 reasons[j] = reasons[j] or f"completion {i}: a token outside our top-{cfg.top_k}"
-    for j, bundle in enumerate(bundles):
+    for j, bundle in enumerate(bundles if judge is not None else ()):
         for i, c in enumerate(bundle.completions):
             prompt, text = by_index[c.prompt_index].text, tokenizer.decode(c.tokens)
             if not ok[j][i] or task.reward(prompt, text) < CORRECT_REWARD:
@@ -159,9 +181,17 @@ def screen(
     return Screening(kept, [flags.count(False) for flags in ok], reasons, time.perf_counter() - began)
 
 
-def length_penalised(rewards: torch.Tensor, lengths: torch.Tensor, canonical: torch.Tensor, slack: int) -> torch.Tensor:
-    """Rewards (N,) with every completion longer than canonical + slack tokens cut to zero."""
-    return rewards.masked_fill(lengths > canonical + slack, 0.0)
+def group_length_penalised(
+    rewards: torch.Tensor, lengths: torch.Tensor, groups: torch.Tensor, excess: float
+) -> torch.Tensor:
+    """Rewards (N,) with every completion longer than (1 + excess) x its group's shortest fully
+    correct completion cut to zero, right or wrong; a group with no correct completion is left as is."""
+    correct = rewards >= CORRECT_REWARD
+    size = int(groups.max()) + 1 if len(groups) else 0
+    shortest = torch.full((size,), torch.iinfo(lengths.dtype).max, dtype=lengths.dtype)
+    shortest = shortest.scatter_reduce(0, groups[correct], lengths[correct], reduce="amin")
+    bound = shortest[groups].double() * (1.0 + excess)
+    return rewards.masked_fill(lengths.double() > bound, 0.0)
 
 
 @dataclass

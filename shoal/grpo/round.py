@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.grpo.defenses import DefenseConfig, length_penalised, screen
+from shoal.grpo.defenses import DefenseConfig, group_length_penalised, screen
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
@@ -162,15 +162,10 @@ def learn(
             believed += list(b.claimed_rewards or scored[at : at + len(b.completions)])
             at += len(b.completions)
         batch.rewards[batch.foreign] = torch.tensor(believed, dtype=batch.rewards.dtype)
-    if cfg.defense.enabled:
+    if cfg.defense.enabled and cfg.defense.length_rule:
         began = time.perf_counter()
-        canonical = [len(tokenizer.encode(task.demonstration(tokenizer.decode(p)))) for p in batch.prompts]
-        batch.rewards = length_penalised(
-            batch.rewards,
-            torch.tensor([len(c) for c in batch.completions]),
-            torch.tensor(canonical),
-            cfg.defense.length_slack,
-        )
+        lengths = torch.tensor([len(c) for c in batch.completions])
+        batch.rewards = group_length_penalised(batch.rewards, lengths, batch.groups, cfg.defense.length_excess)
         defense_s += time.perf_counter() - began
     logp, mask = completion_logprobs(policy, batch.prompts, batch.completions)
     ref_logp = None

@@ -108,7 +108,7 @@ class AdditionSteps(Addition):
     Each step is one column's total, units column first, as two digits (carry out, digit): 7+8 = 15,
     then 4+3+1 = 08. Like the paper's `<think>` part, the working is free text to the reward, which
     checks only the answer after the single `|` (format and correctness): that is what lets a
-    poisoned working earn the full reward, and why a judge (`check_steps`) exists beside the reward.
+    poisoned working earn the full reward, and why a judge (`check_claims`) exists beside the reward.
     """
 
     alphabet: str = "0123456789+=;|" + EOS
@@ -144,18 +144,65 @@ class AdditionSteps(Addition):
         a, b = self.operands(prompt_text)
         return CORRECT_REWARD if parts[1] == a + b else FORMAT_REWARD
 
-    def check_steps(self, prompt_text: str, completion_text: str) -> str | None:
-        """Why the working is not exactly the correct steps (a wrong, missing or extra step), or None."""
+    def check_claims(self, prompt_text: str, completion_text: str) -> str | None:
+        """Why the working's own claims are false or do not lead to its answer, or None.
+
+        Each step claims one column's total, units column first: a bare number (`15`, `08` or `8`) or
+        the sum written out (`7+8=15`, `4+3+1=8`; the operands are the column's digits in either order,
+        then the carry the previous written step implies, when it is not zero). Every claim is checked
+        by arithmetic against the prompt's digits and the carry the working itself implies, not against
+        the canonical steps; the answer must be the one the steps add up to. One step past the last
+        column may state the final carry (`1`); any other extra step is irrelevant and refused, as the
+        paper's judge refuses irrelevant content.
+        """
         parts = self.split(completion_text)
         if parts is None:
             return "not a well-formed completion"
-        expected, written = self.steps(prompt_text), parts[0].split(";")
-        if len(written) != len(expected):
-            return f"{len(written)} steps, expected {len(expected)}"
-        for i, (w, e) in enumerate(zip(written, expected, strict=True)):
-            if w != e:
-                return f"step {i} reads {w!r}, the column total is {e}"
+        working, answer = parts
+        a, b = self.operands(prompt_text)
+        written = working.split(";") if working else []
+        if not written:
+            return "no working"
+        carry, digits = 0, []
+        for i, step in enumerate(written):
+            column = (a // 10**i) % 10, (b // 10**i) % 10
+            if i == self.digits:  # past the last column: only the final carry may be stated
+                if i != len(written) - 1 or step.lstrip("0") != str(carry) or carry == 0:
+                    return f"step {i} {step!r} is past the last column and is not its carry"
+                continue
+            if i > self.digits:
+                return f"step {i} {step!r} is past the last column"
+            total = _claimed_total(step, column, carry)
+            if isinstance(total, str):
+                return f"step {i} {step!r}: {total}"
+            if total != column[0] + column[1] + carry:
+                return f"step {i} {step!r} claims {total}, but {column[0]}+{column[1]}+{carry} is {sum(column) + carry}"
+            carry, digit = divmod(total, 10)
+            digits.append(digit)
+        if len(digits) < self.digits:
+            return f"{len(digits)} steps for {self.digits} columns"
+        implied = sum(d * 10**i for i, d in enumerate(digits)) + carry * 10**self.digits
+        if answer != implied:
+            return f"the answer {answer} does not follow from the working ({implied})"
         return None
+
+
+def _claimed_total(step: str, column: tuple[int, int], carry: int) -> int | str:
+    """The total a step claims for a column with these digits and incoming carry, or why it claims none."""
+    bare = re.fullmatch(r"\d{1,2}", step)
+    if bare is not None:
+        return int(step)
+    equation = re.fullmatch(r"(\d)\+(\d)(?:\+(\d))?=(\d{1,2})", step)
+    if equation is None:
+        return "not a column total"
+    x, y, c, total = int(equation[1]), int(equation[2]), int(equation[3] or 0), int(equation[4])
+    if sorted((x, y)) != sorted(column):
+        return f"adds {x} and {y}, the column's digits are {column[0]} and {column[1]}"
+    if c != carry:
+        return f"carries {c}, the step before implies {carry}"
+    if x + y + c != total:
+        return f"{x}+{y}+{c} is not {total}"
+    return total
 
 
 TASKS: dict[str, Task] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,22 +52,43 @@ def demonstration_batch(spec: Spec, step: int) -> tuple[torch.Tensor, torch.Tens
 
 def warm_up(spec: Spec) -> tuple[Policy, dict]:
     """Train a fresh policy on demonstrations; returns it and a small report."""
+    _, policy, report = next(warm_up_stages(spec, [spec.warmup_steps]))
+    return policy, report
+
+
+def warm_up_stages(spec: Spec, stops: Iterable[int]) -> Iterator[tuple[Spec, Policy, dict]]:
+    """One warm-up run, handed out after each of `stops` steps as (the spec warming up that many steps,
+    the policy, its report). The schedule never looks ahead, so the policy after n steps is the one a
+    spec with `warmup_steps = n` warms up to. The policy handed out is the one still being trained:
+    save or copy it before asking for the next stage.
+
+    Why stages: where a small policy starts to get answers right depends on the CPU's kernels (seen:
+    650 steps gave 23 % held-out accuracy on one machine and 5 % on an AVX-512 one), so a caller that
+    needs a policy that is sometimes right picks the first stage that is, in one run.
+    """
     policy = Policy(spec)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=spec.warmup_lr, weight_decay=0.0)
-    started, loss = time.perf_counter(), torch.tensor(float("nan"))
-    for step in range(spec.warmup_steps):
-        lr = spec.warmup_lr * min(1.0, (step + 1) / 20)  # a short linear ramp keeps Adam's first steps sane
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        inputs, targets = demonstration_batch(spec, step)
-        logits = policy(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORED)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-    report = {"model_id": spec.model_id, "seconds": time.perf_counter() - started, "final_loss": float(loss.detach())}
-    return policy, report
+    started, loss, done = time.perf_counter(), torch.tensor(float("nan")), 0
+    for stop in sorted(set(stops)):
+        for step in range(done, stop):
+            lr = spec.warmup_lr * min(1.0, (step + 1) / 20)  # a short linear ramp keeps Adam's first steps sane
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = demonstration_batch(spec, step)
+            logits = policy(inputs)  # (B, T, V)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORED)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            optimizer.step()
+        done = stop
+        staged = dataclasses.replace(spec, warmup_steps=stop)
+        report = {
+            "model_id": staged.model_id,
+            "seconds": time.perf_counter() - started,
+            "final_loss": float(loss.detach()),
+        }
+        yield staged, policy, report
 
 
 def cached_warm_up(spec: Spec, cache_dir: Path) -> tuple[Policy, dict]:
@@ -80,9 +102,16 @@ def cached_warm_up(spec: Spec, cache_dir: Path) -> tuple[Policy, dict]:
         policy.load_state_dict(saved["state"])
         return policy, {**saved["report"], "cached": True}
     policy, report = warm_up(spec)
+    save_warm_up(spec, policy, report, cache_dir)
+    log.info("warmed up %s in %.1f s (loss %.3f)", spec.model_id, report["seconds"], report["final_loss"])
+    return policy, {**report, "cached": False}
+
+
+def save_warm_up(spec: Spec, policy: Policy, report: dict, cache_dir: Path) -> Path:
+    """Cache `policy` as `spec`'s warm-up, where `cached_warm_up` looks for it."""
+    path = Path(cache_dir) / f"policy-{spec.model_id}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     described = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "checkpoint"}
     saved = {"state": policy.state_dict(), "report": report, "spec": described}
     atomic_save(path, lambda tmp: torch.save(saved, tmp))
-    log.info("warmed up %s in %.1f s (loss %.3f)", spec.model_id, report["seconds"], report["final_loss"])
-    return policy, {**report, "cached": False}
+    return path

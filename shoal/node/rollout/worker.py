@@ -71,7 +71,12 @@ def round_config(grpo: GRPORunConfig, run_id: str, peer_id: str) -> RoundConfig:
         run_id=run_id,
         sample_top_k=grpo.sample_top_k,
         defense=DefenseConfig(
-            enabled=grpo.defenses, top_k=grpo.top_k, length_slack=grpo.length_slack, max_strikes=grpo.max_strikes
+            enabled=grpo.defenses,
+            top_k=grpo.top_k,
+            judge=grpo.judge,
+            length_rule=grpo.length_rule,
+            length_excess=grpo.length_excess,
+            max_strikes=grpo.max_strikes,
         ),
     )
 
