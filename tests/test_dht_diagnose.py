@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from shoal.demo.launcher import shoal_command
 from shoal.dht.diagnose import diagnose, diagnose_all
 from shoal.protocol.messages import Ping, Pong
 from shoal.protocol.version import PROTOCOL_VERSION
@@ -70,15 +71,18 @@ def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
     assert f"forward TCP port {port} to this machine" in reach and "--use-auto-relay" in reach
 
 
+class _NewerHealth:
+    """Answers shoal's ping as a peer of the next protocol version would."""
+
+    async def rpc_ping(self, request: Ping, stream: object, peer: object) -> Pong:
+        return Pong(sent_at=request.sent_at, nonce=request.nonce, peer_state="active", stage=1,
+                    protocol_version=PROTOCOL_VERSION + 1)  # fmt: skip
+
+
 def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():
     from hivemind.p2p import P2P
 
     from shoal.node.net.transport import serve
-
-    class NewerHealth:
-        async def rpc_ping(self, request: Ping, stream: object, peer: object) -> Pong:
-            return Pong(sent_at=request.sent_at, nonce=request.nonce, peer_state="active", stage=1,
-                        protocol_version=PROTOCOL_VERSION + 1)  # fmt: skip
 
     def no_such_name(host, port, family):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")  # no DNS query leaves the machine
@@ -86,7 +90,7 @@ def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():
     async def main():
         newer = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
         try:
-            await serve(newer, NewerHealth(), who="newer")
+            await serve(newer, _NewerHealth(), who="newer")
             maddr = str((await newer.get_visible_maddrs())[0])  # with its /p2p/ part
             (version,) = await diagnose_all([maddr], timeout_s=5.0)
             named = await diagnose(None, f"/dns4/swarm.example/tcp/31337/p2p/{newer.peer_id}", resolve=no_such_name)
@@ -113,6 +117,51 @@ def test_a_node_that_cannot_join_says_why_for_each_initial_peer_and_exits_2(swar
     assert node.process.returncode == 2 and "Traceback" not in log, log[-2000:]
     assert "could not join the swarm in 3 s" in log and f"{closed}: TCP refused at 127.0.0.1:" in log
     assert took < 60, took  # the retries stop at the timeout; the start-up and the diagnosis take the rest
+
+
+def test_a_node_and_status_name_each_initial_peers_fault_and_exit_2(swarm):
+    """What the doctor says, `shoal node` and `shoal status` say too when their join fails: here a wrong
+    peer id and a peer of another protocol version, given together, one line each, exit 2; and a run
+    name that a stock hivemind DHT does not publish."""
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+
+    from shoal.node.net.transport import serve
+
+    entry = swarm.start_bootstrap().maddrs[0]
+    stock = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # only lends its peer id to the wrong address
+
+    def join(command: str, peers: list[str]) -> subprocess.CompletedProcess:
+        argv = shoal_command(command, "--initial-peers", *peers, "--join-timeout", "3")
+        return subprocess.run(argv, capture_output=True, text=True, timeout=180)
+
+    async def main() -> tuple[list[str], list[subprocess.CompletedProcess]]:
+        newer = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        try:
+            await serve(newer, _NewerHealth(), who="newer")
+            other_id = str(stock.get_visible_maddrs()[0]).rsplit("/p2p/", 1)[1]
+            peers = [entry.rsplit("/p2p/", 1)[0] + f"/p2p/{other_id}", str((await newer.get_visible_maddrs())[0])]
+            done = await asyncio.gather(*(asyncio.to_thread(join, c, peers) for c in ("node", "status")))
+            return peers, list(done)
+        finally:
+            await newer.shutdown()
+
+    try:
+        (wrong_id, newer_maddr), done = asyncio.run(main())
+        # a stock hivemind DHT is a DHT shoal can join, but no run is published there: asked for one by
+        # name, the node says so in one line
+        unknown = join("node", [str(stock.get_visible_maddrs()[0]), "--run", "nope"])
+    finally:
+        stock.shutdown()
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1] == (
+        "shoal node: error: no run named 'nope' is published in this swarm (it publishes no default run)"
+    ), unknown.stderr[-2000:]
+    for command, result in zip(("node", "status"), done, strict=True):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr[-2000:])
+        lines = [line.strip() for line in result.stderr.strip().splitlines()[-3:]]
+        assert lines[0].startswith(f"shoal {command}: error: could not join the swarm in 3 s"), (command, lines)
+        assert lines[1].startswith(f"{wrong_id}: connected, but the peer there is "), (command, lines)
+        assert lines[2].startswith(f"{newer_maddr}: ") and f"speaks shoal protocol {PROTOCOL_VERSION + 1}" in lines[2]
 
 
 def test_a_port_that_never_answers_and_a_listener_that_is_not_libp2p():
