@@ -59,8 +59,9 @@ def test_doctor_names_each_peers_fault_in_one_line(swarm):
 
 
 def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
-    """The self-check's other verdict: announced at a port where nothing listens, this machine is not
-    reachable, and the doctor names the port to forward and the flags to pass."""
+    """The self-check's other verdicts: announced at a port where nothing listens, this machine is not
+    reachable, and the doctor names the port to forward and the flags to pass; a port another program
+    holds cannot be listened on; with no initial peer answering, reachability is not checked."""
     entry = swarm.start_bootstrap().maddrs[0]
     port = _closed_port()
     done = _doctor(entry, "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
@@ -69,6 +70,16 @@ def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
     assert first.startswith(f"ok    {entry}: answers")
     assert reach.startswith("FAIL  not reachable: 1 peer(s) could not open a connection to this node")
     assert f"forward TCP port {port} to this machine" in reach and "--use-auto-relay" in reach
+    with socket.socket() as taken:  # a port another program listens on: a node here could not listen there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = f"/ip4/127.0.0.1/tcp/{taken.getsockname()[1]}"
+        busy = _doctor(entry, "--host-maddrs", held)
+    assert busy.returncode == 2 and busy.stdout.strip().splitlines()[-1].startswith(f"FAIL  cannot listen at {held}: ")
+    nobody = _doctor(f"/ip4/127.0.0.1/tcp/{port}/p2p/{entry.rsplit('/p2p/', 1)[1]}")
+    assert nobody.returncode == 2, nobody.stdout
+    last = nobody.stdout.strip().splitlines()[-1]
+    assert last == "-     reachability not checked: no initial peer answers as a shoal peer", nobody.stdout
 
 
 class _NewerHealth:
