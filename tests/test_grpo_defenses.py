@@ -10,6 +10,7 @@ from shoal.grpo.defenses import (
     DefenseConfig,
     Strikes,
     group_length_penalised,
+    judged_rewards,
     screen,
     topk_accept,
 )
@@ -104,6 +105,15 @@ def test_the_length_rule_is_relative_to_each_groups_shortest_right_answer_right_
     assert out.tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, FORMAT_REWARD, FORMAT_REWARD])
     empty = torch.zeros(0, dtype=torch.long)
     assert group_length_penalised(torch.zeros(0), empty, empty, 0.25).shape == (0,)
+
+
+def test_own_right_answers_whose_working_the_judge_refuses_earn_nothing():
+    """Padded and slipped workings behind a right answer lose their reward; wrong answers keep theirs."""
+    rows = [("47+38=", "15;08|58$"), ("47+38=", "15;08;00|58$"), ("47+38=", "16;08|58$"), ("47+38=", "15;08|68$")]
+    rewards = torch.tensor([TASK.reward(p, c) for p, c in rows])
+    assert rewards[:3].tolist() == [CORRECT_REWARD] * 3 and rewards[3] < CORRECT_REWARD
+    out = judged_rewards(rewards, rows, ClaimJudge(TASK))
+    assert out.tolist() == pytest.approx([CORRECT_REWARD, 0.0, 0.0, float(rewards[3])])
 
 
 def test_strikes_drop_a_peer_after_consecutive_failures_only():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from shoal.planning.assignment import Candidate
 from shoal.planning.costs import CostModel
 from shoal.planning.peer_router import PeerRouter, Snapshot
+from shoal.planning.policy import RandomPolicy, make_policy
 from shoal.planning.swarm_view import NodeInfo, SwarmView
 
 COST = CostModel(activation_bytes=256 * 1024)
@@ -116,3 +118,21 @@ def test_skippipe_paths_visit_a_share_of_the_block_stages_and_each_equally():
     visits = Counter(stage for path in paths for stage, _ in path.hops)
     assert max(visits.values()) - min(visits.values()) <= 1  # every stage sees the same share of the data
     assert _router("gwtf", _view(_node("data", 0), _node("a1", 1))).plan_paths("data", 4, SkipPipeOptions()) is None
+
+
+def test_the_daemons_default_noloco_routing_is_the_policy_the_simulator_runs():
+    """One algorithm, one place: `--routing random` (the daemon under NoLoCo) and `shoal sim --policy
+    random` build the same `RandomPolicy`, which spreads microbatches over replicas by speed."""
+    router = _router("random")
+    assert type(router.policy) is type(make_policy("random", COST, random.Random(0))) is RandomPolicy
+    picks = Counter(router.route("data").hops for _ in range(400))
+    assert len(picks) == 4 and min(picks.values()) > 60, picks
+
+
+def test_fixed_lanes_never_mix_replicas_and_use_every_lane_in_turn():
+    """NoLoCo's ablation baseline: replica i of stage 1 only ever feeds replica i of stage 2."""
+    router = _router("fixed")
+    routes = [router.route("data").hops for _ in range(6)]
+    assert routes == [((1, "a1"), (2, "b1")), ((1, "a2"), (2, "b2"))] * 3
+    uneven = _router("fixed", _view(_node("data", 0), _node("a1", 1), _node("a2", 1), _node("b1", 2)))
+    assert {uneven.route("data").hops for _ in range(4)} == {((1, "a1"), (2, "b1"))}

@@ -21,7 +21,7 @@ def _continuous_runs(policy: str):
     )
 
 
-@pytest.mark.parametrize("policy", ["swarm", "gwtf"])
+@pytest.mark.parametrize("policy", ["swarm", "gwtf", "random"])
 def test_continuous_policies_account_for_every_microbatch(policy):
     landed = Counter()
     for result in _continuous_runs(policy):
@@ -46,7 +46,7 @@ def test_static_plans_account_for_every_microbatch_under_churn(policy):
 
 
 def test_every_policy_redoes_only_lost_hops_and_restarts_only_when_the_gradient_is_gone_too():
-    for policy in ("swarm", "gwtf"):
+    for policy in ("swarm", "gwtf", "random"):
         runs = _continuous_runs(policy)
         recomputed, restarted = sum(r.recomputed_hops for r in runs), sum(r.restarted for r in runs)
         assert recomputed > 0, f"{policy} redoes lost hops"

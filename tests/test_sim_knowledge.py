@@ -95,7 +95,7 @@ def test_a_sender_weighs_replicas_by_the_load_advertised_at_the_last_heartbeat()
     assert any(any(load != loads[0] for load in loads) for loads in windows.values()), "exact loads move"
 
 
-@pytest.mark.parametrize("policy", ["swarm", "gwtf"])
+@pytest.mark.parametrize("policy", ["swarm", "gwtf", "random"])
 def test_a_seed_gives_the_same_run_under_churn(policy):
     spec = RunSpec(scenario="random", policy=policy, nodes=24, stages=5, microbatches=40, churn=30.0, seed=4)
     first, second = simulate(spec).to_dict(), simulate(spec).to_dict()

@@ -11,9 +11,13 @@ Each check is switched on or off by itself (`DefenseConfig`), so each can be mea
   here the vocabulary has 16 ids, honest nodes sample from the top 4 and the check keeps the top 6
   (k_v > k_g absorbs the drift between two nodes' weights after a few rounds apart). Hand-written
   text, like a trigger phrase, almost surely leaves the top 6.
-- A judge reads the working of every foreign completion that earns the full reward. The paper asks
-  Llama-3.1-8B-Instruct whether every step is correct and relevant; `ClaimJudge` checks each step's
-  own claim by arithmetic (the task's `check_claims`: a column total, in any of the forms it names,
+- A judge reads the working of every completion that earns the full reward: a foreign one it refuses
+  is dropped before it joins a group, one of the node's own earns nothing (`judged_rewards`). Judging
+  only foreign work left a hole: at a high learning rate a defended node's own policy drifted into
+  padded or slipped workings with a right answer (seen: 28 % padded by round 26 with nothing foreign
+  used), which GRPO rewarded wherever the padded answer was its group's only right one.
+  The paper asks Llama-3.1-8B-Instruct whether every step is correct and relevant; `ClaimJudge`
+  checks each step's own claim by arithmetic (the task's `check_claims`: a column total, in any of the forms it names,
   true for the prompt's digits and the carry the working itself implies, and an answer that follows
   from the steps). It does not compare with the canonical working, so honest workings in other forms
   pass. `ModelJudge` asks a language model instead, through the same `Judge` protocol.
@@ -179,6 +183,16 @@ def screen(
         for b, flags in zip(bundles, ok, strict=True)
     ]
     return Screening(kept, [flags.count(False) for flags in ok], reasons, time.perf_counter() - began)
+
+
+def judged_rewards(rewards: torch.Tensor, texts: Sequence[tuple[str, str]], judge: Judge) -> torch.Tensor:
+    """Rewards (N,) with every full-reward completion whose working `judge` refuses cut to zero;
+    `texts[i]` is row i's (prompt, completion). A process check on the node's own rollouts: the
+    answer alone no longer earns the reward, the working that reaches it must hold too."""
+    refused = [
+        r >= CORRECT_REWARD and judge.judge(*text) is not None for r, text in zip(rewards.tolist(), texts, strict=True)
+    ]
+    return rewards.masked_fill(torch.tensor(refused, dtype=torch.bool), 0.0)
 
 
 def group_length_penalised(

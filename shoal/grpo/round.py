@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.grpo.defenses import DefenseConfig, group_length_penalised, screen
+from shoal.grpo.defenses import DefenseConfig, group_length_penalised, judged_rewards, make_judge, screen
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
@@ -146,8 +146,9 @@ def learn(
     bundles = [b for _, b in valid]
     checks = [(len(b.completions), len(b.completions), "refused") for b in foreign]
     defense_s = 0.0
+    judge = make_judge(cfg.defense.judge, task, policy, tokenizer) if cfg.defense.enabled else None
     if cfg.defense.enabled and bundles:
-        screening = screen(policy, task, tokenizer, everything, bundles, cfg.defense)
+        screening = screen(policy, task, tokenizer, everything, bundles, cfg.defense, judge)
         bundles, defense_s = screening.kept, screening.seconds
         for (j, b), rejected, reason in zip(valid, screening.rejected, screening.reasons, strict=True):
             checks[j] = (len(b.completions), rejected, reason)
@@ -162,6 +163,13 @@ def learn(
             believed += list(b.claimed_rewards or scored[at : at + len(b.completions)])
             at += len(b.completions)
         batch.rewards[batch.foreign] = torch.tensor(believed, dtype=batch.rewards.dtype)
+    if judge is not None:
+        began = time.perf_counter()
+        by_index = {p.index: p.text for p in everything}
+        own_rows = len(own.completions)
+        own_texts = [(by_index[c.prompt_index], tokenizer.decode(c.tokens)) for c in own.completions]
+        batch.rewards[:own_rows] = judged_rewards(batch.rewards[:own_rows], own_texts, judge)
+        defense_s += time.perf_counter() - began
     if cfg.defense.enabled and cfg.defense.length_rule:
         began = time.perf_counter()
         lengths = torch.tensor([len(c) for c in batch.completions])

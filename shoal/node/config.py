@@ -17,7 +17,7 @@ from shoal.device import DEVICE_HELP, check_device_spec
 from shoal.options import add_option_groups, from_args, option
 
 ROLES = ("auto", "data", "worker", "rollout")
-ROUTINGS = ("auto", "gwtf", "swarm", "capacity", "random")
+ROUTINGS = ("auto", "gwtf", "swarm", "capacity", "random", "fixed")
 STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
@@ -131,7 +131,8 @@ class PlacementOptions:
     routing: str = option(
         "auto",
         "auto (default: random replicas when the run averages with NoLoCo, else gwtf), gwtf (min-max path cost "
-        "over measured links), swarm (each hop balances on its own timings), capacity or random",
+        "over measured links), swarm (each hop balances on its own timings), capacity, random, or fixed "
+        "(replica i of each stage feeds only replica i of the next: NoLoCo's ablation baseline)",
         flag="--routing",
     )
     paths: str = option(
@@ -145,9 +146,7 @@ class PlacementOptions:
 
     def __post_init__(self) -> None:
         _need(self.role in ROLES, "--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
-        _need(
-            self.routing in ROUTINGS, "--routing", f"must be {', '.join(ROUTINGS[:-1])} or random, got {self.routing!r}"
-        )
+        _need(self.routing in ROUTINGS, "--routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         _need(self.paths in ("full", "skippipe"), "--paths", f"must be full or skippipe, got {self.paths!r}")
         _need(0.0 <= self.skip < 1.0, "--skip", f"must be in [0, 1), got {self.skip}")
         _need(self.max_swaps >= 0, "--max-swaps", "must be zero or more")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from shoal.planning.assignment import Candidate, choose_stage, takes_data_role
 from shoal.planning.costs import CostModel
 from shoal.planning.from_view import swarm_from_view
-from shoal.planning.mixing import RandomPolicy
 from shoal.planning.policy import Policy, make_policy
 from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
@@ -25,7 +24,7 @@ from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmVie
 
 Link = tuple[float, float]  # (one-way latency s, bandwidth B/s)
 PeerRoute = tuple[tuple[StageIndex, PeerID], ...]
-ROUTING_POLICIES = ("gwtf", "swarm", "capacity", "random")
+ROUTING_POLICIES = ("gwtf", "swarm", "capacity", "random", "fixed")
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,7 @@ class PeerRouter:
         if policy_name not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing {policy_name!r}; choose from {', '.join(ROUTING_POLICIES)}")
         rng = random.Random(f"route:{seed}")
-        self.policy: Policy = (
-            RandomPolicy(cost, rng) if policy_name == "random" else make_policy(policy_name, cost, rng, allocate=False)
-        )
+        self.policy: Policy = make_policy(policy_name, cost, rng, allocate=False)
         self.cost = cost
         self.paths_rng = random.Random(f"paths:{seed}")
         self.swarm: Swarm | None = None

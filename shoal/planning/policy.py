@@ -25,7 +25,7 @@ from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
 
-POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf", "capacity")
+POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf", "capacity", "random", "fixed")
 
 
 class Policy:
@@ -222,6 +222,48 @@ class CapacityPolicy(Policy):
         return None if pick is None else pick.node_id
 
 
+class RandomPolicy(Policy):
+    """NoLoCo's routing (papers/noloco.md), the daemon's default under NoLoCo: every microbatch goes
+    through a random live replica of each stage. The point is mixing: replicas see each other's
+    activations, which with the pairwise outer step keeps them close without any all-reduce.
+    Replicas are drawn in proportion to their speed (1 / forward time), so a slow peer is not handed
+    as much work as a fast one. A lost hop and a joining node follow the base policy's rules."""
+
+    name = "random"
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        hops = []
+        for stage in range(1, view.stages):
+            replicas = view.by_stage[stage]
+            if not replicas:
+                return None
+            pick = self.rng.choices(replicas, weights=[1.0 / n.forward_s for n in replicas])[0]
+            hops.append(pick.node_id)
+        return tuple(hops)
+
+
+class FixedLanesPolicy(Policy):
+    """Data-parallel pipelines that never mix, the baseline of NoLoCo's routing ablation
+    (papers/noloco.md §3: random routing lowers the spread between replicas). Each stage's replicas
+    are ranked by node id and microbatch k goes through rank k mod r of every stage, r being the
+    fewest replicas any stage has: replica i of one stage only ever feeds replica i of the next.
+    Replicas ranked r or higher get no work; a view change re-ranks the lanes."""
+
+    name = "fixed"
+
+    def __init__(self, cost: CostModel, rng: random.Random) -> None:
+        super().__init__(cost, rng)
+        self.injected = 0
+
+    def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
+        ranked = [sorted(n.node_id for n in view.by_stage[stage]) for stage in range(1, view.stages)]
+        if not all(ranked):
+            return None
+        lane = self.injected % min(len(ids) for ids in ranked)
+        self.injected += 1
+        return tuple(ids[lane] for ids in ranked)
+
+
 def make_policy(
     name: str,
     cost: CostModel,
@@ -239,4 +281,8 @@ def make_policy(
         return SwarmPolicy(cost, rng)
     if name == "capacity":
         return CapacityPolicy(cost, rng)
+    if name == "random":
+        return RandomPolicy(cost, rng)
+    if name == "fixed":
+        return FixedLanesPolicy(cost, rng)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
