@@ -1,7 +1,7 @@
 """Averaging: NoLoCo against DiLoCo's all-reduce and against no averaging, on real local swarms, on
 the paper's terms: each method's own H, several seeds, and NoLoCo's ablations.
 
-    .venv/bin/python benchmarks/averaging.py                       # 5 arms x 3 seeds, 300 steps: ~35 minutes
+    .venv/bin/python benchmarks/averaging.py                       # 5 arms x 3 seeds, 300 steps: ~17 minutes
     .venv/bin/python benchmarks/averaging.py --arms noloco diloco --seeds 0 --steps 100   # a quick look
 
 Arms (`ARMS`), each the same run, steps, data and seed per seed: `none` (replicas never share
@@ -170,8 +170,9 @@ def markdown(result: dict) -> str:
         distance = "-" if a["last_distance_median"] is None else f"{a['last_distance_median']:.3f}"
         exchange = "-" if a["exchange_s_median"] is None else f"{1e3 * a['exchange_s_median']:.0f} ms"
         low, high = a["val_loss_range"]
+        h = "-" if a["arm"] == "none" else a["inner_steps"]
         summary.append(
-            f"| {a['arm']} | {a['inner_steps']} | {a['routing']} | {a['val_loss_median']:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {a['arm']} | {h} | {a['routing']} | {a['val_loss_median']:.3f} ({low:.3f}-{high:.3f}) "
             f"| {ratio} | {distance} | {exchange} | {a['abandoned']} |"
         )
     rows = []

@@ -22,12 +22,10 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-import json
 import os
 import random
 import string
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -70,6 +68,7 @@ from shoal.protocol.registry import registered_messages, tag_of
 from shoal.protocol.rollout import Completion
 from shoal.protocol.tensors import DTYPE_SIZES, TensorHeader, TensorMeta, TensorSpec, frame_payload
 from shoal.protocol.version import PROTOCOL_VERSION
+from tests.helpers.processes import metrics
 from tests.helpers.raw_frames import send_with_tensor
 from tests.helpers.tiny import tiny_run, write_tiny_run
 from tests.test_protocol_codec import any_message, message_strategy
@@ -684,19 +683,6 @@ def open_fds(pid: int) -> int:
     """File descriptors of a daemon and of its libp2p daemon child."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return sum(len(os.listdir(f"/proc/{p}/fd")) for p in (pid, *map(int, children)))
-
-
-def metrics(peer: Any) -> dict[str, float]:
-    """A daemon's Prometheus metrics: `name{labels}` -> value."""
-    port = json.loads(Path(peer.ready_file).read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 SERVED = "shoal_microbatches_served_total"

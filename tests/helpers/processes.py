@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import json
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 from shoal.demo.launcher import START_TIMEOUT_S, LocalSwarm, Peer, done_event, progress_events, wait_until
 
-__all__ = ["LocalSwarm", "Peer", "Swarm", "done_event", "progress_events", "wait_until"]
+__all__ = ["LocalSwarm", "Peer", "Swarm", "done_event", "metrics", "progress_events", "wait_until"]
+
+
+def metrics(peer: Any) -> dict[str, float]:
+    """A daemon's Prometheus metrics (started with `--metrics-port 0`): `name{labels}` -> value."""
+    port = json.loads(Path(peer.ready_file).read_text())["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 class Swarm(LocalSwarm):

@@ -16,7 +16,9 @@ from hivemind.p2p import P2P, PeerID
 
 from shoal.dht.swarm import SwarmDHT
 from shoal.node.net.transport import RemoteError, open_call, read_reply
+from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack
+from shoal.protocol.tensors import TensorMeta, frame_payload
 
 Reply = TypeVar("Reply")
 
@@ -49,3 +51,12 @@ async def send_raw_frame(
         return error
     finally:
         stream.close()
+
+
+def unchecked_frames(t: torch.Tensor, wire_dtype: str) -> list[bytes | memoryview]:
+    """A tensor's header and chunk frames as a careless or hostile sender writes them: in `t`'s own
+    bytes, labelled `wire_dtype`, with none of the sender's checks (NaN and Inf go out as they are)."""
+    x = t.detach().contiguous()
+    raw = memoryview(x.reshape(-1).view(torch.uint8).numpy())
+    header, chunks = frame_payload(TensorMeta(dtype=wire_dtype, shape=tuple(x.shape)), raw)
+    return [encode(header), *chunks]
