@@ -34,7 +34,7 @@ from pathlib import Path
 
 from docs_section import write_section
 
-from shoal.config import load_run_config
+from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.command import averaging_overrides
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
 
@@ -193,12 +193,12 @@ def markdown(result: dict) -> str:
 
 `{result["command"]}` ({result["steps"]} steps of the bundled `tiny` run per swarm, {result["replicas"]} replicas
 per block stage, seeds {", ".join(map(str, result["seeds"]))} (`train.seed`: initialisation and data order), each
-method at the paper's H (NoLoCo 50, DiLoCo 100); 2 shared cores). "÷ DiLoCo" is each seed's validation loss
-over DiLoCo's on the same seed, median (range); "last pair distance" is a replica's L2 distance to its
-partner just before its last pair update, mean over block stages, median over seeds; "exchange" is the
-median wall time of one pair exchange (NoLoCo) or one all-reduce round (DiLoCo, hivemind's
-`DecentralizedAverager`, matchmaking included), waiting for the others included; "abandoned" counts
-microbatches over all seeds.
+method at the paper's H (NoLoCo 50, DiLoCo 100), everything sent as float32; 2 shared cores). "÷
+DiLoCo" is each seed's validation loss over DiLoCo's on the same seed, median (range); "last pair
+distance" is a replica's L2 distance to its partner just before its last pair update, mean over
+block stages, median over seeds; "exchange" is the median wall time of one pair exchange (NoLoCo) or
+one all-reduce round (DiLoCo, hivemind's `DecentralizedAverager`, matchmaking included), waiting for
+the others included; "abandoned" counts microbatches over all seeds.
 
 {SUMMARY_HEADER}
 {chr(10).join(summary)}
@@ -232,7 +232,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
-    base = load_run_config(args.run_config).replace({"train.steps": args.steps})
+    base = load_run_config(args.run_config).replace({**FULL_PRECISION, "train.steps": args.steps})
     runs = []
     with tempfile.TemporaryDirectory(prefix="shoal-averaging-") as tmp:
         for seed in args.seeds:

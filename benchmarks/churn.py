@@ -28,7 +28,7 @@ from pathlib import Path
 
 from docs_section import write_section
 
-from shoal.config import load_run_config
+from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,7 +267,8 @@ def main() -> int:
     if args.predict_only:
         result = json.loads(RESULTS.read_text())
         run_file = Path(tempfile.mkdtemp(prefix="shoal-churn-")) / "run.toml"
-        run_file.write_text(load_run_config(args.run_config).replace({"train.steps": result["steps"]}).to_toml())
+        run = load_run_config(args.run_config).replace({**FULL_PRECISION, "train.steps": result["steps"]})
+        run_file.write_text(run.to_toml())
         result["simulator"] = predicted(run_file, result)
         RESULTS.write_text(json.dumps(result, indent=1))
         if not args.no_docs:
@@ -278,7 +279,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-churn-") as tmp:
         workdir = Path(tmp)
         run_file = workdir / "run.toml"
-        run_file.write_text(load_run_config(args.run_config).replace({"train.steps": args.steps}).to_toml())
+        run = load_run_config(args.run_config).replace({**FULL_PRECISION, "train.steps": args.steps})
+        run_file.write_text(run.to_toml())
         for i, (name, replicas, churn, routing) in enumerate(RUNS):
             (workdir / str(i)).mkdir()
             print(f"{name}: {args.steps} steps ...", file=sys.stderr, flush=True)

@@ -47,7 +47,7 @@ from pathlib import Path
 from docs_section import wall_time, write_section
 from pipeline_efficiency import cpu_seconds
 
-from shoal.config import load_run_config
+from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.launcher import LocalSwarm, Peer, done_event, progress_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -369,7 +369,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-churn-speed-") as tmp:
         workdir = Path(tmp)
         run_file = workdir / "run.toml"
-        run_file.write_text(load_run_config("tiny").replace({"train.steps": args.steps}).to_toml())
+        run_file.write_text(load_run_config("tiny").replace({**FULL_PRECISION, "train.steps": args.steps}).to_toml())
         for every in (None, *args.every):
             name = "no kills" if every is None else f"every {every:g} s"
             (workdir / name.replace(" ", "-")).mkdir()

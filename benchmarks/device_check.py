@@ -28,7 +28,7 @@ from pathlib import Path
 
 from docs_section import wall_time, write_section
 
-from shoal.config import load_run_config
+from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ TAIL_BOUND = 0.01
 
 
 def run_file_for(name: str, steps: int, workdir: Path, data: str | None) -> Path:
-    run = load_run_config(name).replace({"train.steps": steps, "averaging.mode": "none"})
+    run = load_run_config(name).replace({**FULL_PRECISION, "train.steps": steps, "averaging.mode": "none"})
     if data is not None:
         from shoal.model.data import with_local_data
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from docs_section import write_section
 
-from shoal.config import load_run_config
+from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.launcher import LocalSwarm, done_event, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
     run = load_run_config(args.run_config).replace(
-        {"train.steps": args.steps, "pipeline.stages": STAGES, "averaging.mode": "none"}
+        {**FULL_PRECISION, "train.steps": args.steps, "pipeline.stages": STAGES, "averaging.mode": "none"}
     )
     runs = []
     with tempfile.TemporaryDirectory(prefix="shoal-paths-") as tmp:

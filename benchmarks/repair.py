@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from docs_section import write_section
 
-from shoal.config import RunConfig, load_run_config
+from shoal.config import FULL_PRECISION, RunConfig, load_run_config
 from shoal.errors import UsageError
 from shoal.model.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
 from shoal.model.stages import build_all_stages, forward_route
@@ -109,6 +109,7 @@ def bench_run(steps: int, seed: int, setting: str = "tiny") -> RunConfig:
     """The bundled tiny run, with six equal one-layer block stages and a smaller batch (to fit the time)."""
     return load_run_config("tiny").replace(
         {
+            **FULL_PRECISION,
             **SETTINGS[setting],
             "model.n_layers": 6,
             "pipeline.stages": 7,
