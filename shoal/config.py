@@ -117,13 +117,16 @@ class RepairConfig:
     the rules are in shoal.train.repair). checkfree: gradient-weighted average of the two neighbours,
     an edge stage copies its one block neighbour; checkfree_plus: edge stages copy their swap partner,
     and `swap_share` of the microbatches run with the partners swapped so that they learn to stand in
-    for each other (it costs some convergence without failures, so it is not the default); uniform,
-    copy and random are the baselines."""
+    for each other (it costs some convergence without failures, so it is not the default), and stage
+    0's neighbours keep a copy of it; uniform, copy and random are the baselines."""
 
     rule: str = "checkfree"
     swap_share: float = -1.0  # <0: 0.5 under checkfree_plus, 0 otherwise
     lr_scale: float = 1.1  # the rebuilt stage's fresh optimizer runs at this multiple of the schedule
     weights_from: str = "unclipped"  # the gradient norm that weighs the neighbours: unclipped or clipped
+    # checkfree_plus: the workers of stage 0's neighbours (stages 1 and S-1) copy it every this many of
+    # their inner steps, so that a lost stage 0 comes back from a copy (shoal/node/stage/edge_copy.py)
+    edge_copy_every: int = 10
 
     @property
     def swaps(self) -> float:
@@ -409,6 +412,7 @@ def _validate(cfg: RunConfig) -> None:
         r.swap_share <= 1.0, "repair.swap_share", f"must be at most 1 (or negative for the default), got {r.swap_share}"
     )
     need(r.lr_scale > 0, "repair.lr_scale", f"must be positive, got {r.lr_scale}")
+    need(1 <= r.edge_copy_every <= 100_000, "repair.edge_copy_every", f"must be in 1..100000, got {r.edge_copy_every}")
     need(
         r.weights_from in ("unclipped", "clipped"),
         "repair.weights_from",

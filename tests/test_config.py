@@ -55,6 +55,7 @@ def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
         ("[defense]\nouter_tolerance = 1.0\n", "defense.outer_tolerance"),
         ("[defense]\naudits = true\n", "defense.audits"),
         ("[train]\neval_every = -1\n", "train.eval_every"),
+        ("[repair]\nedge_copy_every = 0\n", "repair.edge_copy_every"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):

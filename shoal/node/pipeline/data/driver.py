@@ -50,6 +50,7 @@ from shoal.node.pipeline.hops import (
     step_close_patience_s,
 )
 from shoal.node.stage.copy import join_stage, serve_stage_copy
+from shoal.node.stage.edge_copy import recover_stage0
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.swarm_view import SwarmView
@@ -706,13 +707,17 @@ class DataDriver(PipelineEngine):
     async def join_by_copy(self) -> str | None:
         """Where the run averages stage 0, a data node joining a run that has stepped copies it from
         the most trained live data node, and goes on from that node's step (NoLoCo pairs replicas of
-        the same outer epoch, and epochs follow steps); its batches are still its own shard's."""
-        if self.averager is None:
-            return None
-        attempt = await join_stage(self)
-        if attempt.source is not None:
+        the same outer epoch, and epochs follow steps); its batches are still its own shard's. Where no
+        data node gave it and the run repairs with CheckFree+, it takes the copy stage 0's neighbours
+        keep (edge_copy.py)."""
+        source = None
+        if self.averager is not None:
+            source = (await join_stage(self)).source
+        if source is None:
+            source = await recover_stage0(self)
+        if source is not None:
             self.first_step = self.optimizer.step_count
-        return attempt.source
+        return source
 
     async def work(self) -> dict | None:
         return await self.train()

@@ -48,6 +48,7 @@ from shoal.node.pipeline.hops import (
     step_close_patience_s,
 )
 from shoal.node.stage.copy import join_stage, serve_stage_copy
+from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.planning.swarm_view import ROLE_DATA
 from shoal.protocol.pipeline import (
@@ -134,6 +135,9 @@ class StageWorker(PipelineEngine):
         self._close_news = asyncio.Condition()
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
         self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
+        self.edge_copy: EdgeCopyKeeper | None = None  # CheckFree+: our copy of stage 0, if we neighbour it
+        if keeps_edge_copy(run.repair.rule, run.pipeline.stages, stage):
+            self.edge_copy = EdgeCopyKeeper(self, run.repair.edge_copy_every)
 
     @property
     def busy(self) -> bool:
@@ -586,6 +590,8 @@ class StageWorker(PipelineEngine):
                            self.hooks.stage_attack_name)  # fmt: skip
         if self.averager is not None:
             await self.averager.start()
+        if self.edge_copy is not None:
+            self.spawn(self.edge_copy.run(), "edge-copy")
 
     def handlers(self) -> Mapping[str, Handler]:
         return {
@@ -629,6 +635,9 @@ class StageWorker(PipelineEngine):
         return self.repair
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
+        if request.stage == 0 and self.edge_copy is not None:
+            await self.edge_copy.serve(stream)  # CheckFree+: a data node rebuilding stage 0
+            return
         await serve_stage_copy(self, request, stream)
         self.copies_served += 1
 
@@ -763,4 +772,5 @@ class StageWorker(PipelineEngine):
             "copies_served": self.copies_served,
             "adversary": self.hooks.stage_attack_name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
+            "edge_copy": self.edge_copy.stats() if self.edge_copy is not None else None,
         }
