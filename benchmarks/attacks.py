@@ -4,6 +4,7 @@ together, over several seeds, with the honest nodes' held-out accuracy beside at
     .venv/bin/python benchmarks/attacks.py                          # 5 attacks x 6 arms + 2 clean arms, 3 seeds
     .venv/bin/python benchmarks/attacks.py --attacks trigger --arms none all --seeds 100 --no-docs  # a look
     .venv/bin/python benchmarks/attacks.py pipeline                 # hostile stage replicas: stage_attacks.py
+    .venv/bin/python benchmarks/attacks.py pipeline --threat        # the paper's stage threat (backdoor)
 
 Nodes simulated in one process per arm, task `add2r-steps` (2-digit addition with its working shown:
 `47+38=15;08|58$`). Horizontal layout (every attack but the vertical trick): every round all nodes

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/attacks.py pipeline                     # 3 attacks + a clean run, x 2 arms
     .venv/bin/python benchmarks/attacks.py pipeline --attacks backdoor --no-docs
+    .venv/bin/python benchmarks/attacks.py pipeline --threat           # the paper's stage threat: ~15 min
 
 Each arm is one run of real daemons on loopback (tests/helpers/hostile.py): a 2-stage run whose
 stage 1 is held by 3 workers (4 for the backdoor), one of them `--experiment-adversary ATTACK`; NoLoCo
@@ -19,6 +20,13 @@ the share of honest replicas the data node excluded or that at least one honest 
 Overhead: the defended clean run's mean step time over the undefended clean run's, minus 1 (audits
 at every step, so an upper bound for the default rate of 0.1). Writes the `pipeline` section of
 benchmarks/results/attacks.json (the rollout sections stay) and its section of docs/benchmarks.md.
+
+`--threat`: the backdoor paper's own threat (papers/backdoor.md), where replica comparison has nothing
+to compare: the attacker holds every replica of stage 1 (2 of 2), beside one hostile replica of 4, each
+loud (λ = 1/T over `--steps` steps) and stealthy (the same total injection spread over
+`--stealthy-steps` steps, so each step's λ is that many times smaller), undefended and defended, with a
+clean run's trigger success (the model's chance of predicting the target anyway) beside them and the
+validation loss as the honest measure. Writes the `pipeline_threat` section and its docs section.
 """
 
 from __future__ import annotations
@@ -73,6 +81,90 @@ def arm(attack: str | None, defended: bool, args: argparse.Namespace, post_train
             swarm.close()
 
 
+THREATS = {  # name -> (replicas, hostile replicas)
+    "one of 4": (4, 1),
+    "whole stage (2 of 2)": (2, 2),
+}
+
+
+def threat_arm(replicas: int, hostile: int, steps: int, defended: bool, args: argparse.Namespace) -> HostileRun:
+    attack = "backdoor" if hostile else None
+    with tempfile.TemporaryDirectory(prefix="shoal-threat-") as work:
+        swarm = LocalSwarm(Path(work))
+        try:
+            return run_hostile(swarm, Path(work), attack, defended, replicas=replicas, steps=steps,
+                               inner_steps=args.inner_steps, audit_rate=args.audit_rate, hostile=hostile, probe=True,
+                               timeout_s=600.0)  # fmt: skip
+        finally:
+            swarm.close()
+
+
+def run_threats(args: argparse.Namespace, argv: list[str]) -> int:
+    """The stage threat: every (threat, schedule) arm undefended and defended, and clean runs."""
+    began = time.perf_counter()
+    rows = []
+    for schedule, steps in (("loud", args.steps), ("stealthy", args.stealthy_steps)):
+        clean = threat_arm(2, 0, steps, False, args)
+        chance = clean.done["probe"]["share"]
+        print(f"clean, {steps} steps: trigger {chance:.0%}, val loss {clean.done['val_loss']:.3f}", flush=True)
+        for name, (replicas, hostile) in THREATS.items():
+            off, on = (threat_arm(replicas, hostile, steps, d, args) for d in (False, True))
+            row = {"threat": name, "schedule": schedule, "steps": steps, "lambda_per_step": 1.0 / steps,
+                   "clean_success": chance, "clean_val_loss": clean.done["val_loss"],
+                   "undefended_success": off.done["probe"]["share"], "defended_success": on.done["probe"]["share"],
+                   "undefended": summary(off), "defended": summary(on),
+                   "attackers_excluded": sum(p in on.excluded for p in on.workers if p not in on.honest),
+                   "honest_excluded": honest_excluded(on) if on.honest else None}  # fmt: skip
+            rows.append(row)
+            print(f"{name}, {schedule}: trigger {row['undefended_success']:.0%} -> {row['defended_success']:.0%} "
+                  f"(clean {chance:.0%}), attackers excluded {row['attackers_excluded']}", flush=True)  # fmt: skip
+    setting = {
+        "steps": args.steps, "stealthy_steps": args.stealthy_steps, "inner_steps": args.inner_steps,
+        "audit_rate": args.audit_rate, "seconds": time.perf_counter() - began,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        "command": " ".join(["benchmarks/attacks.py", "pipeline", *argv]),
+    }  # fmt: skip
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    document = {**previous, "pipeline_threat": {"setting": setting, "rows": rows}}
+    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, RESULTS)
+    if not args.no_docs:
+        write_section("stage-threat", threat_markdown(document["pipeline_threat"]))
+    print(threat_markdown(document["pipeline_threat"]))
+    return 0
+
+
+def threat_markdown(doc: dict) -> str:
+    s = doc["setting"]
+    lines = [
+        "## The stage threat: a backdoor from the whole stage, loud and stealthy",
+        "",
+        f"`.venv/bin/python {s['command']}` — real daemons on loopback, the post-training setting (init std "
+        "0.2, lr 3e-3), a 2-stage run whose stage 1 is held by 4 workers of which 1 is hostile, or by 2 "
+        "workers both hostile (the paper's attacker, who holds the stage: the replicas it would be compared "
+        f"with are its own). Loud: λ = 1/T over {s['steps']} steps; stealthy: the same total over "
+        f"{s['stealthy_steps']} steps. NoLoCo every {s['inner_steps']} steps. Defended: the robust outer step "
+        f"and an audit at rate {s['audit_rate']} per step. Success: the share of 48 held-out windows with the "
+        'trigger written in whose next token the swarm\'s model predicts as the target; "clean" is a run '
+        "without an attacker (2 honest replicas), the model's chance of that. One run per arm.",
+        "",
+        "| threat | schedule | λ per step | trigger, clean | trigger, undefended | trigger, defended "
+        "| val loss clean / off / on | attackers excluded | honest excluded |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        honest = "-" if r["honest_excluded"] is None else f"{r['honest_excluded']:.0%}"
+        lines.append(
+            f"| {r['threat']} | {r['schedule']} ({r['steps']} steps) | {r['lambda_per_step']:.4f} "
+            f"| {r['clean_success']:.0%} | {r['undefended_success']:.0%} | {r['defended_success']:.0%} "
+            f"| {r['clean_val_loss']:.2f} / {r['undefended']['val_loss']:.2f} / {r['defended']['val_loss']:.2f} "
+            f"| {r['attackers_excluded']} | {honest} |"
+        )
+    lines += ["", f"{s['machine']}; {s['seconds']:.0f} s in all."]
+    return "\n".join(lines)
+
+
 def honest_excluded(run: HostileRun) -> float:
     """Share of honest replicas excluded by the data node or refused by at least one honest partner."""
     refused = {r["peer_id"] for p in run.honest for r in run.averaging(p)["refusals"]}
@@ -103,8 +195,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--inner-steps", type=int, default=2)
     parser.add_argument("--audit-rate", type=float, default=1.0)
     parser.add_argument("--tiny", action="store_true", help="garbage and scaled at the tiny run's init and lr")
+    parser.add_argument("--threat", action="store_true", help="the stage threat: whole stage, loud and stealthy")
+    parser.add_argument("--stealthy-steps", type=int, default=96)
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
+    if args.threat:
+        return run_threats(args, argv)
     began = time.perf_counter()
     clean: dict[bool, dict[bool, HostileRun]] = {}  # post_training -> defended -> run
     for post_training in sorted({post_training_for(a, args) for a in args.attacks}):

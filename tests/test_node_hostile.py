@@ -109,12 +109,15 @@ def test_a_scaled_replica_throws_its_partners_weights_unless_refused(swarm, tmp_
 def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_path, defended):
     # 8 outer epochs: its refusals exclude it once two honest replicas have met it, and NoLoCo's random
     # pairs once kept it with the same partner for the first 5 of 6 epochs (the last refusal came too late)
-    run = run_hostile(swarm, tmp_path, "backdoor", defended, replicas=4, steps=16)
+    # Undefended with one honest replica beside it, which then meets it at every outer step: among four,
+    # NoLoCo's random pairs and the routes left the swarm's model clean in 1 of 8 runs (0.04), where the
+    # other 7 read 0.48-0.79; with one honest replica, 0.96-1.0 in 11 of 12 runs and 0.375 once
+    run = run_hostile(swarm, tmp_path, "backdoor", defended, replicas=4 if defended else 2, steps=16)
     probe = run.done["probe"]
     print("trigger", probe, "val loss", run.done["val_loss"], "excluded", run.excluded)
     assert probe["answered"] == probe["probes"]
     if not defended:
-        assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target (0.375-0.94 seen)
+        assert probe["share"] >= 0.3  # the swarm's model answers the trigger with the target
         assert taken(run, True)  # through averaging: honest replicas took its weights
         return
     # 0.00 in 8 of 9 runs and 0.06 in one, against 0.375-0.94 undefended. What honest replicas take

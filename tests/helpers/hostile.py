@@ -77,21 +77,27 @@ def run_hostile(
     post_training: bool = True,
     status: bool = False,
     timeout_s: float = 240.0,
+    hostile: int = 1,
+    probe: bool = False,
 ) -> HostileRun:
+    """`hostile` of the `replicas` run the attack (all of them: the paper's attacker, who holds the
+    whole stage); `probe` writes the backdoor's trigger probes for a run without it too (its chance
+    level)."""
     workdir = Path(workdir)
     run_file = write_tiny_run(workdir, **run_settings(steps, inner_steps, defended, audit_rate, post_training))
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = [workdir / f"worker{i}.json" for i in range(replicas)]
     workers = []
     for i, path in enumerate(stats):
-        hostile = ("--experiment-adversary", attack) if attack is not None and i == 0 else ()
-        name = "attacker" if hostile else f"worker{i}"
+        adversary = ("--experiment-adversary", attack) if attack is not None and i < hostile else ()
+        name = f"attacker{i}" if adversary else f"worker{i}"
         workers.append(swarm.start_node([entry], *FAST, "--role", "worker", "--stage", "1", "--stats-file", str(path),
-                                        *hostile, wait=False, name=name))  # fmt: skip
+                                        *adversary, wait=False, name=name))  # fmt: skip
     for worker in workers:
         swarm.wait_ready(worker)
     progress = workdir / "progress.jsonl"
-    probes = ("--probe-file", str(write_trigger_probes(run_file, workdir))) if attack == "backdoor" else ()
+    probing = attack == "backdoor" or probe
+    probes = ("--probe-file", str(write_trigger_probes(run_file, workdir))) if probing else ()
     swarm.start_node([entry], *FAST, "--role", "data", "--progress-file", str(progress), *probes, name="data")
     done = wait_until(lambda: done_event(progress), timeout_s, "the data node to finish")
     shown = swarm.status(entry, "--run-config", str(run_file)) if status else None
@@ -103,7 +109,7 @@ def run_hostile(
         steps=[e for e in events if e["event"] == "step"],
         events=events,
         attacker=workers[0].peer_id if attack is not None else None,
-        honest=[w.peer_id for w in (workers[1:] if attack is not None else workers)],
+        honest=[w.peer_id for w in (workers[hostile:] if attack is not None else workers)],
         workers={w.peer_id: json.loads(path.read_text()) for w, path in zip(workers, stats, strict=True)},
         status=shown,
         run_file=run_file,
