@@ -81,6 +81,17 @@ def arm(attack: str | None, defended: bool, args: argparse.Namespace, post_train
             swarm.close()
 
 
+def save_section(sections: dict) -> dict:
+    """Replace these top-level sections of attacks.json (the others stay); returns the whole document."""
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    document = {**previous, **sections}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, RESULTS)
+    return document
+
+
 THREATS = {  # name -> (replicas, hostile replicas)
     "one of 4": (4, 1),
     "whole stage (2 of 2)": (2, 2),
@@ -124,11 +135,7 @@ def run_threats(args: argparse.Namespace, argv: list[str]) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         "command": " ".join(["benchmarks/attacks.py", "pipeline", *argv]),
     }  # fmt: skip
-    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    document = {**previous, "pipeline_threat": {"setting": setting, "rows": rows}}
-    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
-    tmp.write_text(json.dumps(document, indent=1))
-    os.replace(tmp, RESULTS)
+    document = save_section({"pipeline_threat": {"setting": setting, "rows": rows}})
     if not args.no_docs:
         write_section("stage-threat", threat_markdown(document["pipeline_threat"]))
     print(threat_markdown(document["pipeline_threat"]))
@@ -240,11 +247,7 @@ def main(argv: list[str]) -> int:
         "command": " ".join(["benchmarks/attacks.py", "pipeline", *argv]),
     }
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    document = {**previous, "pipeline": {**previous.get("pipeline", {}), **results}, "pipeline_setting": setting}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
-    tmp.write_text(json.dumps(document, indent=1))
-    os.replace(tmp, RESULTS)
+    document = save_section({"pipeline": {**previous.get("pipeline", {}), **results}, "pipeline_setting": setting})
     if not args.no_docs:
         write_section("stage-attacks", markdown(document))
     return 0

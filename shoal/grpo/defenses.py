@@ -17,9 +17,9 @@ Each check is switched on or off by itself (`DefenseConfig`), so each can be mea
   padded or slipped workings with a right answer (seen: 28 % padded by round 26 with nothing foreign
   used), which GRPO rewarded wherever the padded answer was its group's only right one.
   The paper asks Llama-3.1-8B-Instruct whether every step is correct and relevant; `ClaimJudge`
-  checks each step's own claim by arithmetic (the task's `check_claims`: a column total, in any of the forms it names,
-  true for the prompt's digits and the carry the working itself implies, and an answer that follows
-  from the steps). It does not compare with the canonical working, so honest workings in other forms
+  checks each step's own claim by arithmetic (the task's `check_claims`: a column total, in any of
+  the forms it names, true for the prompt's digits and the carry the working itself implies, and an
+  answer that follows from the steps). It does not compare with the canonical working, so honest workings in other forms
   pass. `ModelJudge` asks a language model instead, through the same `Judge` protocol.
 - Length (the paper's DoS, which neither of its checks stops: correct but needlessly long answers):
   a completion longer than `1 + length_excess` times the shortest correct completion of its own

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shoal.model.stages import build_stage
 from shoal.node.net.transport import FramedStream
-from shoal.node.stage.copy import WIRE_DTYPE, DonorBusy, StageHolder, adopt_stage, fetch_stage
+from shoal.node.stage.copy import WIRE_DTYPE, DonorBusy, FetchedStage, StageHolder, adopt_stage, fetch_stage
 from shoal.planning.swarm_view import STATE_ACTIVE
 from shoal.protocol.pipeline import Ack, StageCopy
 
@@ -46,24 +44,12 @@ def stage0_reference(holder: StageHolder) -> list[torch.Tensor]:
     return [torch.empty(shape) for shape in shapes]
 
 
-@dataclass(frozen=True)
-class EdgeCopy:
-    """Stage 0 as a data node gave it: θ, φ and its counters, on host memory."""
-
-    source: str
-    theta: list[torch.Tensor]
-    phi: list[torch.Tensor]
-    inner_step: int
-    outer_epoch: int
-    taken_at: float
-
-
 class EdgeCopyKeeper:
     """On a worker of stage 1 or S-1: keeps a copy of stage 0, refreshed every `every` inner steps."""
 
     def __init__(self, worker: StageHolder, every: int) -> None:
         self.worker, self.every = worker, every
-        self.copy: EdgeCopy | None = None
+        self.copy: FetchedStage | None = None  # stage 0 as a data node last gave it, on host memory
         self.fetches = 0
         self.failures = 0
         self.served = 0
@@ -102,8 +88,7 @@ class EdgeCopyKeeper:
             if self.copy is None:
                 logger.info("[%s] CheckFree+: keeping a copy of stage 0 (from %s, inner step %d), refreshed every "
                             "%d steps", ctx.short_id, holder.peer_id[-8:], fetched.inner_step, self.every)  # fmt: skip
-            self.copy = EdgeCopy(holder.peer_id, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch,
-                                 time.time())  # fmt: skip
+            self.copy = fetched
             self.fetches += 1
             return True
         return False
@@ -129,7 +114,7 @@ class EdgeCopyKeeper:
             "failures": self.failures,
             "served": self.served,
             "inner_step": copy.inner_step if copy is not None else None,
-            "source": copy.source if copy is not None else None,
+            "source": copy.peer_id if copy is not None else None,
         }
 
 
