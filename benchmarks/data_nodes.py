@@ -1,18 +1,21 @@
 """Data nodes that agree: one data node against two that average stage 0, at equal tokens (issue 33).
 
-    .venv/bin/python benchmarks/data_nodes.py                  # 3 seeds x 3 arms, 300 steps: ~12 minutes
+    .venv/bin/python benchmarks/data_nodes.py                  # 3 seeds x 4 arms, 300 steps: ~15 minutes
 
 Every arm trains the bundled `tiny` run (everything sent as float32) with 2 workers per block stage and
 NoLoCo (H = 10) on real daemons, on the same seeds and the same number of tokens: one data node
 training `--steps` steps of 16 sequences on all of the data (`one`), or two data nodes, each on its half
-of the data (`--data-shard k/2`), whose stage 0 (embedding, final norm, LM head) averages by NoLoCo
-pairs as every stage's replicas do, either for half the steps (`two, half the steps`: each data node's
-batch as big as the one's) or for all of them with half the batch each (`two, half the batch`: the one
-data node's batch split between two, as data parallelism splits it). Reported: each data node's
-validation loss at the end (its own stage 0 with the shared block stages), a two-data-node arm's mean
-over its two and its spread, and the stage-0 distance between the two data nodes before each of
-their pair updates. Writes
-benchmarks/results/data_nodes.json and its section of docs/benchmarks.md.
+of the data (`--data-shard k/2`), whose stage 0 (embedding, final norm, LM head) they average:
+- `two, stage 0 mean` (the default, `[averaging] stage0 = "mean"`): they replace it with their pair's
+  mean after every step, with half the batch each (the one data node's batch split between two, as
+  data parallelism splits it);
+- `two, stage 0 outer`: stage 0 averaged as every stage is (NoLoCo pairs every H steps, with α, β, γ),
+  half the batch each;
+- `two, stage 0 outer, half the steps`: the same, for half the steps with the one's batch each.
+Reported: each data node's validation loss at the end (its own stage 0 with the shared block stages),
+a two-data-node arm's mean over its two, the stage-0 distance between the two data nodes before the
+first and last of their pair updates, and the bytes the data nodes' stage-0 exchanges sent per trained
+token. Writes benchmarks/results/data_nodes.json and its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "data_nodes.json"
 
 
-ARMS = {  # arm -> (data nodes, share of the steps each trains, share of the batch each trains)
-    "one": (1, 1, 1),
-    "two, half the steps": (2, 2, 1),
-    "two, half the batch": (2, 1, 2),
+ARMS = {  # arm -> (data nodes, share of the steps each trains, share of the batch each trains, averaging.stage0)
+    "one": (1, 1, 1, "mean"),
+    "two, stage 0 mean": (2, 1, 2, "mean"),
+    "two, stage 0 outer": (2, 1, 2, "outer"),
+    "two, stage 0 outer, half the steps": (2, 2, 1, "outer"),
 }
 
 
@@ -66,11 +70,15 @@ def run_swarm(run_file: Path, workdir: Path, data_nodes: int, timeout_s: float) 
         swarm.close(timeout_s=5)
     engines = [json.loads(path.read_text())["engine"] for path in stats if path.exists()]
     distances = [d for e in engines for d in e.get("averaging", {}).get("replica_distance", [])]
+    tokens = data_nodes * run.train.steps * run.train.batch_size * run.train.seq_len
+    stage0_bytes = sum(e.get("averaging", {}).get("bytes_sent", 0) for e in engines)
     return {
         "data_nodes": data_nodes,
         "steps_each": run.train.steps,
         "batch_each": run.train.batch_size,
-        "tokens": data_nodes * run.train.steps * run.train.batch_size * run.train.seq_len,
+        "tokens": tokens,
+        "stage0": run.averaging.stage0,
+        "stage0_bytes_per_token": round(stage0_bytes / tokens, 1),
         "val_loss": [d["val_loss"] for d in done],
         "abandoned": sum(d["microbatches_abandoned"] for d in done),
         "stage0_distance": sorted(distances),
@@ -86,7 +94,8 @@ def markdown(result: dict) -> str:
         shown = f"{distance[0][1]:.3f} → {distance[-1][1]:.3f} ({len(distance)})" if distance else "-"
         rows.append(
             f"| {r['arm']} | {r['seed']} | {r['steps_each']} x {r['batch_each']} | {r['tokens']:,} | "
-            f"{' / '.join(f'{v:.3f}' for v in losses)} | {statistics.fmean(losses):.3f} | {shown} | {r['abandoned']} |"
+            f"{' / '.join(f'{v:.3f}' for v in losses)} | {statistics.fmean(losses):.3f} | {shown} | "
+            f"{r['stage0_bytes_per_token']:,.0f} | {r['abandoned']} |"
         )
     means = {arm: [statistics.fmean(r["val_loss"]) for r in result["runs"] if r["arm"] == arm] for arm in ARMS}
     one = means["one"]
@@ -102,12 +111,14 @@ def markdown(result: dict) -> str:
 `{result["command"]}` ({wall_time(result["seconds"])}; the bundled `tiny` run, everything as float32, 2
 workers per block stage, NoLoCo every 10 steps, seeds {", ".join(map(str, result["seeds"]))}). At equal
 tokens: one data node training {result["steps"]} steps of 16 sequences on all of the data, or two data
-nodes each on its half, their stage 0 averaged by NoLoCo pairs, for half the steps or with half the
-batch. "val loss" is each data node's own (its stage 0 with the shared block stages); "stage-0
-distance" is the two data nodes' L2 distance before their first and last pair update (and how many).
+nodes each on its half, their stage 0 replaced by the pair's mean after every step (`stage0 = "mean"`, the
+default) or averaged as every stage (`"outer"`: NoLoCo every 10 steps, α 0.5, β 0.7, γ 0.7), with half the
+batch each or (outer) for half the steps. "val loss" is each data node's own (its stage 0 with the
+shared block stages); "stage-0 distance" is the two data nodes' L2 distance before their first and last
+pair update (and how many); "stage-0 bytes" what their stage-0 exchanges sent per trained token.
 
-| arm | seed | steps x batch, each | tokens | val loss | mean | stage-0 distance | abandoned |
-|---|---|---|---|---|---|---|---|
+| arm | seed | steps x batch, each | tokens | val loss | mean | stage-0 distance | stage-0 bytes/token | abandoned |
+|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 {chr(10).join(lines)}
@@ -127,13 +138,14 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="shoal-data-nodes-") as tmp:
         for seed in args.seeds:
-            for arm, (data_nodes, step_share, batch_share) in ARMS.items():
+            for arm, (data_nodes, step_share, batch_share, stage0) in ARMS.items():
                 workdir = Path(tmp) / f"{len(runs)}"
                 workdir.mkdir()
                 run_file = workdir / "run.toml"
                 sizes = {
                     "train.steps": args.steps // step_share,
                     "train.batch_size": base.train.batch_size // batch_share,
+                    "averaging.stage0": stage0,
                 }
                 run_file.write_text(base.replace({**sizes, "train.seed": seed}).to_toml())
                 print(f"{arm}, seed {seed} ...", file=sys.stderr, flush=True)

@@ -87,6 +87,7 @@ class DataConfig:
 
 
 AVERAGING_MODES = ("noloco", "diloco", "none")
+STAGE0_AVERAGING = ("mean", "outer")  # averaging.stage0
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,12 @@ class AveragingConfig:
     # topk (φ in int8 blocks, Δ's largest topk_fraction with error feedback; noloco only)
     codec: str = "float32"
     topk_fraction: float = 0.02
+    # Stage 0 (embedding, final norm, head), whose replicas are the data nodes, each on its own shard.
+    # "mean": every `stage0_every` steps they replace it with their group's mean (the outer step with
+    # α 0, β 1, γ 1), which keeps two data nodes at one data node's loss; "outer": as every stage (H, α,
+    # β, γ above), which left two data nodes 0.17-0.37 nats behind one on tiny (docs/benchmarks.md).
+    stage0: str = "mean"
+    stage0_every: int = 1
 
 
 REPAIR_RULES = ("checkfree", "checkfree_plus", "uniform", "copy", "random")
@@ -406,6 +413,9 @@ def _validate(cfg: RunConfig) -> None:
     need(a.codec != "topk" or a.mode == "noloco", "averaging.codec",
          f"topk needs averaging.mode noloco (an all-reduce sums dense tensors), got mode {a.mode!r}")  # fmt: skip
     need(0.0 < a.topk_fraction <= 1.0, "averaging.topk_fraction", f"must be in (0, 1], got {a.topk_fraction}")
+    need(a.stage0 in STAGE0_AVERAGING, "averaging.stage0",
+         f"must be one of {', '.join(STAGE0_AVERAGING)}, got {a.stage0!r}")  # fmt: skip
+    need(a.stage0_every >= 1, "averaging.stage0_every", f"must be at least 1, got {a.stage0_every}")
     r = cfg.repair
     need(r.rule in REPAIR_RULES, "repair.rule", f"must be one of {', '.join(REPAIR_RULES)}, got {r.rule!r}")
     need(

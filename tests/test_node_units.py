@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shoal.config import AveragingConfig
+from shoal.node.averaging.base import outer_config
 from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
 from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
@@ -156,3 +158,32 @@ def test_the_speed_test_sees_through_a_burst_of_load_but_not_through_steady_load
     finally:
         capacity.BlockStage = real
     assert steady < 20 < burst  # 0.05 s a pass: under 20 passes a second, whatever the quartile
+
+
+@pytest.mark.parametrize("mode", ["noloco", "diloco"])
+def test_data_nodes_replace_stage_0_with_their_mean_every_step_and_block_stages_take_the_outer_step(mode):
+    import torch
+
+    from shoal.train.outer import OuterState, diloco_step, noloco_step
+
+    averaging = AveragingConfig(mode=mode)
+    block = outer_config(averaging, 1)
+    assert (block.alpha, block.beta, block.inner_steps) == (averaging.alpha, averaging.beta, averaging.inner_steps)
+    stage0 = outer_config(averaging, 0)
+    assert stage0.inner_steps == averaging.stage0_every == 1
+    assert outer_config(AveragingConfig(mode=mode, stage0="outer"), 0) == block
+    # whatever momentum and slow weights the replicas hold, the step lands both on the mean of their θ
+    phi_a, phi_b = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 3.0])]
+    theta_a, theta_b = [torch.tensor([1.5, -1.0])], [torch.tensor([0.0, 2.0])]
+    delta_a = [t - p for t, p in zip(theta_a, phi_a, strict=True)]
+    delta_b = [t - p for t, p in zip(theta_b, phi_b, strict=True)]
+    state = OuterState.from_tensors(phi_a)
+    state = OuterState(phi=state.phi, momentum=(torch.tensor([9.0, 9.0]),), epoch=3)
+    if mode == "noloco":
+        after = noloco_step(state, delta_a, [phi_b], [delta_b], stage0)
+        assert torch.allclose(after.phi[0], (theta_a[0] + theta_b[0]) / 2)
+    else:  # an all-reduce over replicas that share φ
+        state = OuterState(phi=tuple(phi_a), momentum=state.momentum, epoch=3)
+        mean_delta = [(delta_a[0] + (theta_b[0] - phi_a[0])) / 2]
+        after = diloco_step(state, mean_delta, stage0)
+        assert torch.allclose(after.phi[0], (theta_a[0] + theta_b[0]) / 2)

@@ -3,16 +3,35 @@ and its epoch clock, and how a stage worker drives them (`due`, `outer_step`, `l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
 
+from shoal.config import AveragingConfig
 from shoal.node.context import NodeContext
 from shoal.node.hooks import Hooks
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterConfig, OuterState, epoch_ended
 from shoal.train.robust import OuterHistory
+
+
+def outer_config(averaging: AveragingConfig, stage: int) -> OuterConfig:
+    """The outer step a replica of `stage` takes. Stage 0's replicas are the data nodes, each on its own
+    shard: under `stage0 = "mean"` they replace it with their group's mean every `stage0_every` steps
+    (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that mean), because two data
+    nodes that trained it apart for H steps ended far behind one (docs/benchmarks.md, "Data nodes")."""
+    if averaging.mode == "diloco":
+        config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
+    else:
+        config = OuterConfig.noloco(
+            alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
+        )
+    if stage == 0 and averaging.stage0 == "mean":
+        plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": averaging.stage0_every}
+        config = dataclasses.replace(config, **plain_mean, **({"gamma": 1.0} if config.mode == "noloco" else {}))
+    return config
 
 
 class Replica(Protocol):

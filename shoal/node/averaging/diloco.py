@@ -23,11 +23,11 @@ from contextlib import contextmanager, suppress
 import torch
 
 from shoal.device import float64
-from shoal.node.averaging.base import Averager, Replica
+from shoal.node.averaging.base import Averager, Replica, outer_config
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.planning.swarm_view import SwarmView
-from shoal.train.outer import OuterConfig, diloco_step, load_slow_weights, local_step, pseudo_gradient
+from shoal.train.outer import diloco_step, load_slow_weights, local_step, pseudo_gradient
 from shoal.train.robust import norm, remember, screen_mean
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging
 class DiLoCoAverager(Averager):
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
-        config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
-        super().__init__(ctx, replica, config)
+        super().__init__(ctx, replica, outer_config(averaging, replica.stage))
         self.dht = None
         self.averager = None
         self._maddrs: list[str] = []

@@ -23,7 +23,7 @@ import torch
 
 from shoal.device import float64
 from shoal.logs import printable
-from shoal.node.averaging.base import Averager, Replica
+from shoal.node.averaging.base import Averager, Replica, outer_config
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import OuterStep
@@ -33,7 +33,6 @@ from shoal.protocol.pipeline import Ack, GossipRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.audit import refused_by_partners
 from shoal.train.outer import (
-    OuterConfig,
     check_partner_tensors,
     load_slow_weights,
     local_step,
@@ -80,10 +79,7 @@ def _wire_dtype(piece: torch.Tensor) -> str:
 class NoLoCoAverager(Averager):
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
-        config = OuterConfig.noloco(
-            alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
-        )
-        super().__init__(ctx, replica, config)
+        super().__init__(ctx, replica, outer_config(averaging, replica.stage))
         self.codec = OuterCodec(averaging.codec, averaging.topk_fraction)
         self.error: list[torch.Tensor] | None = None  # what our compressed Δs left out (outer_codec.py)
         self.bytes_sent = 0  # outer-exchange bytes this replica sent
@@ -126,7 +122,9 @@ class NoLoCoAverager(Averager):
             # The lower id calls at once; the higher waits a while, then calls (our views of the stage
             # may differ); the odd one out waits briefly for whoever asks.
             if partner is None:
-                if self._others():  # the odd one out, or our views differ: someone may still ask
+                # the odd one out, or our views differ: someone may still ask. Not when averaging every
+                # step (data nodes' stage 0): a missed pair costs one step's drift, a wait every step
+                if self._others() and self.config.inner_steps > 1:
                     theirs = await self._wait_for_call(min(ODD_ONE_OUT_WAIT_S, self.timeout_s / 3))
             elif self.ctx.peer_id < partner:
                 theirs = await self._call(partner, epoch, offer)

@@ -295,8 +295,7 @@ class DataDriver(PipelineEngine):
         await asyncio.gather(*pending)
 
     def outer_step_follows(self, step: int) -> bool:
-        averaging = self.run.averaging
-        return averaging.mode != "none" and (step + 1) % averaging.inner_steps == 0
+        return self.averager is not None and (step + 1) % self.averager.config.inner_steps == 0
 
     async def closes_taken(self) -> None:
         """Every worker has answered our last step close (or failed to)."""
