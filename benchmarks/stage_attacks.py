@@ -98,44 +98,77 @@ THREATS = {  # name -> (replicas, hostile replicas)
 }
 
 
-def threat_arm(replicas: int, hostile: int, steps: int, defended: bool, args: argparse.Namespace) -> HostileRun:
+def threat_arm(
+    replicas: int, hostile: int, steps: int, defended: bool, args: argparse.Namespace, step_audits: bool = False
+) -> HostileRun:
+    """One run; `step_audits` adds step audits at `--step-audit-rate` to the defended arm. A data node
+    that excluded every replica of the stage abandons its microbatches after a 2 s stage wait."""
     attack = "backdoor" if hostile else None
     with tempfile.TemporaryDirectory(prefix="shoal-threat-") as work:
         swarm = LocalSwarm(Path(work))
         try:
             return run_hostile(swarm, Path(work), attack, defended, replicas=replicas, steps=steps,
                                inner_steps=args.inner_steps, audit_rate=args.audit_rate, hostile=hostile, probe=True,
-                               timeout_s=600.0)  # fmt: skip
+                               timeout_s=900.0, step_audit_rate=args.step_audit_rate if step_audits else 0.0,
+                               data_args=("--stage-wait", "2"))  # fmt: skip
         finally:
             swarm.close()
+
+
+def caught(run: HostileRun) -> dict:
+    """When step audits excluded the attackers: the first and the last, and how much of the backdoor
+    (Σλ) each had blended in by then (it blends 1/T after each of its steps)."""
+    steps = run.done["steps"]
+    found = [e["step"] for e in run.events if e["event"] == "excluded" and "step audit" in e.get("reason", "")]
+    return {
+        "first_step": min(found, default=None),
+        "last_step": max(found, default=None),
+        "blended_by_first": (min(found) + 1) / steps if found else None,
+        "blended_by_last": (max(found) + 1) / steps if found else None,
+        "attackers_excluded": sum(p in run.excluded for p in run.workers if p not in run.honest),
+        "abandoned": run.done["microbatches_abandoned"],
+        "step_audit": run.done["step_audit"],
+    }
 
 
 def run_threats(args: argparse.Namespace, argv: list[str]) -> int:
     """The stage threat: every (threat, schedule) arm undefended and defended, and clean runs."""
     began = time.perf_counter()
-    rows = []
+    rows, clean_rows = [], []
     for schedule, steps in (("loud", args.steps), ("stealthy", args.stealthy_steps)):
         clean = threat_arm(2, 0, steps, False, args)
+        audited = threat_arm(2, 0, steps, True, args, step_audits=True)  # what step audits cost honest replicas
         chance = clean.done["probe"]["share"]
         print(f"clean, {steps} steps: trigger {chance:.0%}, val loss {clean.done['val_loss']:.3f}", flush=True)
+        clean_rows.append({"schedule": schedule, "steps": steps, "clean": summary(clean), "step_audited": {
+            **summary(audited), "step_audit": audited.done["step_audit"], "honest_excluded": honest_excluded(audited),
+            "audit_bytes": sum(w.get("wire_bytes", {}).get("audit", 0) for w in audited.workers.values()),
+            "sent_bytes": sum(sum(w.get("wire_bytes", {}).values()) for w in audited.workers.values()),
+        }})  # fmt: skip
         for name, (replicas, hostile) in THREATS.items():
             off, on = (threat_arm(replicas, hostile, steps, d, args) for d in (False, True))
+            stepped = threat_arm(replicas, hostile, steps, True, args, step_audits=True)
             row = {"threat": name, "schedule": schedule, "steps": steps, "lambda_per_step": 1.0 / steps,
                    "clean_success": chance, "clean_val_loss": clean.done["val_loss"],
                    "undefended_success": off.done["probe"]["share"], "defended_success": on.done["probe"]["share"],
                    "undefended": summary(off), "defended": summary(on),
                    "attackers_excluded": sum(p in on.excluded for p in on.workers if p not in on.honest),
-                   "honest_excluded": honest_excluded(on) if on.honest else None}  # fmt: skip
+                   "honest_excluded": honest_excluded(on) if on.honest else None,
+                   "step_audits": {**summary(stepped), **caught(stepped),
+                                   "honest_excluded": honest_excluded(stepped) if stepped.honest else None},
+                   }  # fmt: skip
             rows.append(row)
             print(f"{name}, {schedule}: trigger {row['undefended_success']:.0%} -> {row['defended_success']:.0%} "
-                  f"(clean {chance:.0%}), attackers excluded {row['attackers_excluded']}", flush=True)  # fmt: skip
+                  f"(clean {chance:.0%}), attackers excluded {row['attackers_excluded']}; with step audits "
+                  f"{json.dumps(caught(stepped))}", flush=True)  # fmt: skip
     setting = {
         "steps": args.steps, "stealthy_steps": args.stealthy_steps, "inner_steps": args.inner_steps,
-        "audit_rate": args.audit_rate, "seconds": time.perf_counter() - began,
+        "audit_rate": args.audit_rate, "step_audit_rate": args.step_audit_rate,
+        "seconds": time.perf_counter() - began,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         "command": " ".join(["benchmarks/attacks.py", "pipeline", *argv]),
     }  # fmt: skip
-    document = save_section({"pipeline_threat": {"setting": setting, "rows": rows}})
+    document = save_section({"pipeline_threat": {"setting": setting, "rows": rows, "clean": clean_rows}})
     if not args.no_docs:
         write_section("stage-threat", threat_markdown(document["pipeline_threat"]))
     print(threat_markdown(document["pipeline_threat"]))
@@ -152,22 +185,49 @@ def threat_markdown(doc: dict) -> str:
         "workers both hostile (the paper's attacker, who holds the stage: the replicas it would be compared "
         f"with are its own). Loud: λ = 1/T over {s['steps']} steps; stealthy: the same total over "
         f"{s['stealthy_steps']} steps. NoLoCo every {s['inner_steps']} steps. Defended: the robust outer step "
-        f"and an audit at rate {s['audit_rate']} per step. Success: the share of 48 held-out windows with the "
-        'trigger written in whose next token the swarm\'s model predicts as the target; "clean" is a run '
-        "without an attacker (2 honest replicas), the model's chance of that. One run per arm.",
+        f'and an audit at rate {s["audit_rate"]} per step; "+ step audits": the same, and a step audit '
+        f"(shoal.train.step_audit) at rate {s.get('step_audit_rate', 0.1)} per step. Success: the share of 48 "
+        "held-out windows with the trigger written in whose next token the swarm's model predicts as the "
+        'target, as the data node routes it at the end ("-": no route left, every replica excluded); '
+        '"clean" is a run without an attacker (2 honest replicas), the model\'s chance of that. "Caught": '
+        "the steps at which step audits excluded the first and the last attacker, and the share of the "
+        "backdoor (Σλ) each had blended in by then. One run per arm.",
         "",
-        "| threat | schedule | λ per step | trigger, clean | trigger, undefended | trigger, defended "
-        "| val loss clean / off / on | attackers excluded | honest excluded |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| threat | schedule | λ per step | trigger, clean | undefended | defended | + step audits | caught (Σλ) "
+        "| val loss clean / off / on / + step | attackers excluded (on / + step) | honest excluded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         honest = "-" if r["honest_excluded"] is None else f"{r['honest_excluded']:.0%}"
+        stepped = r.get("step_audits") or {}
+        probe = stepped.get("probe") or {}
+        step_success = f"{probe['share']:.0%}" if probe.get("answered") else "-"
+        first = stepped.get("first_step")
+        when = (
+            f"{first} ({stepped['blended_by_first']:.0%}), {stepped['last_step']} ({stepped['blended_by_last']:.0%})"
+            if first is not None
+            else "no"
+        )
+        step_loss = stepped.get("val_loss")
         lines.append(
             f"| {r['threat']} | {r['schedule']} ({r['steps']} steps) | {r['lambda_per_step']:.4f} "
             f"| {r['clean_success']:.0%} | {r['undefended_success']:.0%} | {r['defended_success']:.0%} "
-            f"| {r['clean_val_loss']:.2f} / {r['undefended']['val_loss']:.2f} / {r['defended']['val_loss']:.2f} "
-            f"| {r['attackers_excluded']} | {honest} |"
+            f"| {step_success} | {when} "
+            f"| {r['clean_val_loss']:.2f} / {r['undefended']['val_loss']:.2f} / {r['defended']['val_loss']:.2f} / "
+            f"{'-' if step_loss is None else f'{step_loss:.2f}'} "
+            f"| {r['attackers_excluded']} / {stepped.get('attackers_excluded', '-')} | {honest} |"
         )
+    for c in doc.get("clean", []):
+        a, base = c["step_audited"], c["clean"]
+        audits = a["step_audit"]
+        lines += [
+            "",
+            f"Clean, {c['steps']} steps, with step audits: {audits['audits']} audits, {audits['failed']} failed, "
+            f"largest discrepancy {audits['max_discrepancy']} of a step, honest excluded {a['honest_excluded']:.0%}; "
+            f"step time {a['step_s']:.3f} s against {base['step_s']:.3f} s without any defense "
+            f"({a['step_s'] / base['step_s'] - 1:+.0%}, one run each, output audits included); transcripts "
+            f"{a['audit_bytes'] / max(a['sent_bytes'], 1):.0%} of what the workers sent.",
+        ]
     lines += ["", f"{s['machine']}; {s['seconds']:.0f} s in all."]
     return "\n".join(lines)
 
@@ -204,6 +264,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tiny", action="store_true", help="garbage and scaled at the tiny run's init and lr")
     parser.add_argument("--threat", action="store_true", help="the stage threat: whole stage, loud and stealthy")
     parser.add_argument("--stealthy-steps", type=int, default=96)
+    parser.add_argument("--step-audit-rate", type=float, default=0.1, help="--threat: the step-audited arms' rate")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     if args.threat:

@@ -146,16 +146,16 @@ class RepairConfig:
 class PipelineDefenseConfig:
     """Defenses of a pipeline run against hostile stage replicas (docs/security.md), on by default.
 
-    The robust outer step (shoal.train.robust): a NoLoCo partner whose pseudo-gradient norm, or whose
-    fast weights' distance to ours, is beyond `outer_tolerance` times the median this replica has seen
-    over its last `outer_window` outer steps is refused (a local step instead); a DiLoCo mean that far
-    from our own pseudo-gradient is clipped toward it (CenteredClip). Audits (shoal.train.audit): at
-    each step a data node, with probability `audit_rate`, sends one microbatch's activation to two
-    replicas of a stage and compares their outputs against the spread it has seen between replicas
-    (`audit_tolerance` times its median, never below `audit_min_spread`); a disagreement is settled by
-    a third replica when the stage has one. Blamed in `audit_failures` of the last `audit_memory`
-    audits it took part in, a replica is excluded from that data node's routes and listed, with the
-    reason, in its record and in `shoal status`."""
+    The robust outer step (shoal.train.robust): a NoLoCo partner whose pseudo-gradient norm, or whose fast
+    weights' distance to ours, is beyond `outer_tolerance` times the median this replica has seen over its
+    last `outer_window` outer steps is refused (a local step instead); a DiLoCo mean that far from our own
+    pseudo-gradient is clipped toward it (CenteredClip). Audits (shoal.train.audit): at each step a data
+    node, with probability `audit_rate`, sends one microbatch's activation to two replicas of a stage and
+    compares their outputs against the spread it has seen between replicas (`audit_tolerance` times its
+    median, never below `audit_min_spread`); a disagreement is settled by a third replica when the stage has
+    one. Step audits replay a replica's inner step (`step_audit_rate`). Blamed in `audit_failures` of the
+    last `audit_memory` audits it took part in, a replica is excluded from that data node's routes and
+    listed, with the reason, in its record and in `shoal status`."""
 
     robust_outer: bool = True
     outer_tolerance: float = 3.0
@@ -166,6 +166,11 @@ class PipelineDefenseConfig:
     audit_window: int = 32  # passed audits per stage the median spread is taken over
     audit_failures: int = 2  # blamed audits, among a replica's last `audit_memory`, that exclude it
     audit_memory: int = 3
+    # Step audits (shoal.train.step_audit): at each step a data node, with this probability, replays one
+    # inner step of one replica that served it and excludes the replica if its weights moved other than
+    # its gradients say. Every worker then keeps its last steps' transcripts (θ and AdamW's moments
+    # before the step, each microbatch's input and output gradient): 3 x its stage's weights in memory
+    step_audit_rate: float = 0.1
 
 
 GRPO_LAYOUTS = ("horizontal", "vertical")
@@ -441,6 +446,7 @@ def _validate_defense(f: PipelineDefenseConfig) -> None:
     need(1.0 < f.outer_tolerance <= 1000.0, "outer_tolerance", f"must be in (1, 1000], got {f.outer_tolerance}")
     need(1 <= f.outer_window <= 1000, "outer_window", f"must be in 1..1000, got {f.outer_window}")
     need(0.0 <= f.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {f.audit_rate}")
+    need(0.0 <= f.step_audit_rate <= 1.0, "step_audit_rate", f"must be in [0, 1], got {f.step_audit_rate}")
     need(1.0 < f.audit_tolerance <= 1000.0, "audit_tolerance", f"must be in (1, 1000], got {f.audit_tolerance}")
     need(0.0 < f.audit_min_spread <= 100.0, "audit_min_spread", f"must be in (0, 100], got {f.audit_min_spread}")
     need(1 <= f.audit_window <= 10_000, "audit_window", f"must be in 1..10000, got {f.audit_window}")

@@ -147,10 +147,13 @@ def test_a_backdoor_spreads_to_the_swarm_unless_refused_and_excluded(swarm, tmp_
 
 
 def test_honest_replicas_are_neither_refused_nor_excluded(swarm, tmp_path):
-    run = run_hostile(swarm, tmp_path, None, defended=True)
-    audit = run.done["audit"]
-    print("audits", audit)
+    run = run_hostile(swarm, tmp_path, None, defended=True, step_audit_rate=1.0)
+    audit, step_audit = run.done["audit"], run.done["step_audit"]
+    print("audits", audit, "step audits", step_audit)
     assert run.excluded == {}
+    # every honest inner step replays exactly (the same code on the same CPU), and none is left unjudged
+    assert step_audit["audits"] >= 8 and step_audit["failed"] == 0, step_audit
+    assert step_audit["max_discrepancy"] <= 1e-5, step_audit
     # early at lr 1e-2 a replica that NoLoCo's pairs left alone for a few epochs is honestly far from the
     # others (1.8-2.5 output sizes where paired ones are 0.1-0.9): it may be blamed once, never excluded
     assert audit["audits"] >= 8 and audit["passed"] >= 0.75 * audit["audits"]
@@ -158,3 +161,27 @@ def test_honest_replicas_are_neither_refused_nor_excluded(swarm, tmp_path):
         averaging = run.averaging(peer)
         assert averaging["screened_out"] == 0 and averaging["refusals"] == []
     assert run.done["val_loss"] < CLEAN_VAL_LOSS
+
+
+def test_a_backdoor_held_by_the_whole_stage_is_caught_by_step_audits(swarm, tmp_path):
+    """The paper's threat: the attacker holds every replica of the stage, so comparing replicas (output
+    audits, the robust outer step) compares it with itself (benchmarks/attacks.py pipeline --threat:
+    100 % trigger success with those on). A step audit replays one replica's inner step from its own
+    transcript: the direction it blends in after each step is not what its gradients say. Each
+    replica is excluded at the first audit that picks it; with none left, the data node's microbatches
+    are abandoned with the reason, not lost."""
+    run = run_hostile(
+        swarm, tmp_path, "backdoor", True, replicas=2, hostile=2, steps=12, step_audit_rate=1.0,
+        data_args=("--stage-wait", "2"),
+    )  # fmt: skip
+    step_audit = run.done["step_audit"]
+    print("step audits", step_audit, "excluded", run.excluded)
+    hostile = [peer for peer in run.workers if peer not in run.honest]
+    assert set(run.excluded) == set(hostile), run.excluded
+    assert all("step audit" in reason and "of a step away" in reason for reason in run.excluded.values())
+    first = min(e["step"] for e in run.events if e["event"] == "excluded")
+    assert first <= 2, run.events  # caught at once: its first blended step
+    assert run.done["microbatches_abandoned"] > 0
+    assert run.done["microbatches_completed"] + run.done["microbatches_abandoned"] == run.done["microbatches_injected"]
+    details = run.done["abandoned_details"]
+    assert any("is excluded from this node's routes" in str(d) for d in details), details

@@ -78,9 +78,13 @@ def _value_strategy(tp: typing.Any, options: FieldOptions, top: bool = True) -> 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is bool:
         return st.booleans()
-    if tp is int:
-        return st.integers(INT64_MIN, INT64_MAX)
+    if tp is int:  # within the field's bounds: a value outside them is refused, as its own tests check
+        low = INT64_MIN if options.ge is None else max(INT64_MIN, math.ceil(options.ge))
+        high = INT64_MAX if options.le is None else min(INT64_MAX, math.floor(options.le))
+        return st.integers(low, high)
     if tp is float:
+        if options.ge is not None or options.le is not None:
+            return st.floats(min_value=options.ge, max_value=options.le, allow_nan=False, allow_infinity=False)
         return st.floats(allow_nan=options.allow_nonfinite, allow_infinity=options.allow_nonfinite)
     if tp is str:  # short strings keep the test fast; the length bounds have their own tests
         size = min(32, MAX_STR_LEN if max_len is None else max_len)
@@ -93,7 +97,8 @@ def _value_strategy(tp: typing.Any, options: FieldOptions, top: bool = True) -> 
         (inner,) = [a for a in args if a is not type(None)]
         return st.none() | _value_strategy(inner, options, top)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return st.lists(_value_strategy(args[0], options, False), max_size=min(max_len or 8, 8)).map(tuple)
+        items = options.item or options
+        return st.lists(_value_strategy(args[0], items, False), max_size=min(max_len or 8, 8)).map(tuple)
     if origin is tuple:
         return st.tuples(*(_value_strategy(a, options, False) for a in args))
     return message_strategy(tp)

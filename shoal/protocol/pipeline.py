@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .errors import MalformedMessage
 from .registry import message
-from .schema import wire_field
+from .schema import FieldOptions, wire_field
 
 MAX_ROUTE_HOPS = 64
 MAX_ID_CHARS = 96
@@ -151,3 +151,35 @@ class StageCopy:
     tensors: int
     grad_norm: float | None = None
     grad_norm_clipped: float | None = None
+
+
+MAX_TRANSCRIPT_MICROBATCHES = 1024
+MAX_STAGE_TENSORS = 4096
+
+
+@message("transcript_req")
+class StepTranscriptRequest:
+    """From a data node, after its step: the transcript of your inner step that took this microbatch of
+    ours (shoal.train.step_audit). The reply is an Ack (refused with `pending` while that step is not
+    taken yet), then a StepTranscriptHeader and its tensors."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+
+
+@message("transcript")
+class StepTranscriptHeader:
+    """One inner step as the replica reports it. Followed by `tensors` tensors each of θ before the
+    step, AdamW's first and second moments before it, and θ after it (float32, in the stage's parameter
+    order), then per microbatch its input and its output's gradient (float32, `rows[k]` x `seq_lens[k]`
+    x the model width)."""
+
+    step: int = wire_field(ge=0)
+    step_count: int = wire_field(ge=0)
+    lr_scale: float = wire_field(ge=0.0, le=100.0)
+    tensors: int = wire_field(ge=1, le=MAX_STAGE_TENSORS)
+    adam_steps: tuple[float, ...] = wire_field(max_len=MAX_STAGE_TENSORS, item=FieldOptions(ge=0.0, le=1e12))
+    microbatch_ids: tuple[str, ...] = wire_field(
+        max_len=MAX_TRANSCRIPT_MICROBATCHES, item=FieldOptions(max_len=MAX_ID_CHARS, token=True)
+    )
+    rows: tuple[int, ...] = wire_field(max_len=MAX_TRANSCRIPT_MICROBATCHES, item=FieldOptions(ge=1, le=1 << 16))
+    seq_lens: tuple[int, ...] = wire_field(max_len=MAX_TRANSCRIPT_MICROBATCHES, item=FieldOptions(ge=1, le=1 << 20))

@@ -52,7 +52,9 @@ class HostileRun:
         return self.workers[peer]["engine"]["averaging"]
 
 
-def run_settings(steps: int, inner_steps: int, defended: bool, audit_rate: float, post_training: bool) -> dict:
+def run_settings(
+    steps: int, inner_steps: int, defended: bool, audit_rate: float, post_training: bool, step_audit_rate: float = 0.0
+) -> dict:
     return {
         "pipeline.stages": 2,
         "model.n_layers": 2,
@@ -62,6 +64,12 @@ def run_settings(steps: int, inner_steps: int, defended: bool, audit_rate: float
         "averaging.inner_steps": inner_steps,
         "defense.robust_outer": defended,
         "defense.audit_rate": audit_rate if defended else 0.0,
+        "defense.step_audit_rate": step_audit_rate if defended else 0.0,
+        # the setting the output audits' tolerances were measured in: a lone data node's stage 0 took
+        # NoLoCo's local outer steps. Under the default "mean" (plain AdamW for a lone data node) honest
+        # replicas' outputs were 0.54 and 0.86 output sizes apart in 2 of 4 clean runs, beyond the 0.5
+        # audits always allow, and a clean run excluded an honest replica (docs/security.md)
+        "averaging.stage0": "outer",
     }
 
 
@@ -79,12 +87,16 @@ def run_hostile(
     timeout_s: float = 240.0,
     hostile: int = 1,
     probe: bool = False,
+    step_audit_rate: float = 0.0,
+    data_args: tuple[str, ...] = (),
 ) -> HostileRun:
     """`hostile` of the `replicas` run the attack (all of them: the paper's attacker, who holds the
     whole stage); `probe` writes the backdoor's trigger probes for a run without it too (its chance
-    level)."""
+    level); `step_audit_rate` turns the defended arm's step audits on (off otherwise, so that each
+    test credits the defense it is about)."""
     workdir = Path(workdir)
-    run_file = write_tiny_run(workdir, **run_settings(steps, inner_steps, defended, audit_rate, post_training))
+    settings = run_settings(steps, inner_steps, defended, audit_rate, post_training, step_audit_rate)
+    run_file = write_tiny_run(workdir, **settings)
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = [workdir / f"worker{i}.json" for i in range(replicas)]
     workers = []
@@ -98,7 +110,8 @@ def run_hostile(
     progress = workdir / "progress.jsonl"
     probing = attack == "backdoor" or probe
     probes = ("--probe-file", str(write_trigger_probes(run_file, workdir))) if probing else ()
-    swarm.start_node([entry], *FAST, "--role", "data", "--progress-file", str(progress), *probes, name="data")
+    swarm.start_node([entry], *FAST, "--role", "data", "--progress-file", str(progress), *probes, *data_args,
+                     name="data")  # fmt: skip
     done = wait_until(lambda: done_event(progress), timeout_s, "the data node to finish")
     shown = swarm.status(entry, "--run-config", str(run_file)) if status else None
     for worker in workers:

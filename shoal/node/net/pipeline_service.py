@@ -24,6 +24,7 @@ from shoal.protocol.pipeline import (
     RecoverRequest,
     StageCopyRequest,
     StepClose,
+    StepTranscriptRequest,
 )
 from shoal.protocol.rollout import RolloutBundle
 
@@ -92,6 +93,15 @@ class EngineService:
         handler = self._handler("copy_stage", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node serves no stage copies")
+        await handler(request, stream, peer.to_base58())
+        return None
+
+    async def rpc_step_transcript(
+        self, request: StepTranscriptRequest, stream: FramedStream, peer: PeerID
+    ) -> Ack | None:
+        handler = self._handler("step_transcript", peer)
+        if handler is None:
+            return Ack(accepted=False, reason="this node keeps no step transcripts")
         await handler(request, stream, peer.to_base58())
         return None
 

@@ -49,14 +49,14 @@ POOL_PER_KEY = 4  # idle streams kept per (peer, rpc)
 SEND_BUFFER_BYTES = 4 * 2**20
 
 
-WIRE_KINDS = ("activation", "gradient", "outer", "copy", "control")
+WIRE_KINDS = ("activation", "gradient", "outer", "copy", "audit", "control")
 
 
 class WireBytes:
-    """Bytes this process wrote to its streams, by kind: activations and their gradients between
-    stages, outer exchanges between replicas, stage copies to joiners, and control (every other
-    message). Frame lengths count; a hop's request, written with its tensor, counts with the tensor.
-    The DHT's own traffic runs inside the p2p daemon and is not seen here."""
+    """Bytes this process wrote to its streams, by kind: activations and their gradients between stages, outer
+    exchanges between replicas, stage copies to joiners, step transcripts for data nodes' step audits, and
+    control (every other message). Frame lengths count; a hop's request, written with its tensor, counts with
+    the tensor. The DHT's own traffic runs inside the p2p daemon and is not seen here."""
 
     def __init__(self) -> None:
         self.sent = dict.fromkeys(WIRE_KINDS, 0)

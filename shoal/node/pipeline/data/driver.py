@@ -42,6 +42,7 @@ from shoal.node.pipeline.data.ledger import MicrobatchLedger
 from shoal.node.pipeline.data.probes import run_probes
 from shoal.node.pipeline.data.progress import ProgressFile, StageWatch
 from shoal.node.pipeline.data.routes import DataRoutes
+from shoal.node.pipeline.data.step_audits import StepAuditor
 from shoal.node.pipeline.hops import (
     HopFailed,
     PipelineEngine,
@@ -145,6 +146,7 @@ class DataDriver(PipelineEngine):
         self.current_step = 0
         self.first_step = 0  # resumed from --state-dir: the steps before it are done (state_keeper.py)
         self.auditor = Auditor(self)  # audits of stage replicas, and the replicas excluded for good
+        self.step_audits = StepAuditor(self)  # replays of a replica's inner step (step_audits.py)
         self.routes = DataRoutes(ctx, self.banned, self.auditor.excluded_peers)
         self.progress_file = ProgressFile(progress_path)
         self.stage_watch = StageWatch(ctx, self.progress_file, self.ledger)
@@ -244,6 +246,7 @@ class DataDriver(PipelineEngine):
             "val_loss": val_loss,
             "probe": probe,
             "audit": self.auditor.stats(),
+            "step_audit": self.step_audits.stats(),
             "train_s": time.monotonic() - started,
             "tokens_per_s": sum(r.tokens for r in self.history) / max(sum(r.seconds for r in self.history), 1e-9),
             **self.ledger.summary(),
@@ -259,6 +262,7 @@ class DataDriver(PipelineEngine):
         n_micro = self.run.microbatches_per_step
         slots = asyncio.Semaphore(self.ctx.max_inflight)
         self.step_peers = set()
+        self.step_audits.begin(step)
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
             asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots, index=i))
@@ -271,6 +275,7 @@ class DataDriver(PipelineEngine):
         await self._weight_grads_done()
         await self.closes_taken()  # the last step's: one close in flight at a time
         self.closing = self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
+        self.step_audits.finish(step, self.closing)
         stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
         if self.outer_step_follows(step):  # the workers average now: the next step starts on their result
             epoch = self.averager.due(step) if self.averager is not None else None
@@ -361,8 +366,7 @@ class DataDriver(PipelineEngine):
             for attempt in range(MAX_ATTEMPTS):
                 route = await self.routes.next(train)
                 if route is None:
-                    missing = self.ctx.view.stages_without_replica()
-                    self.ledger.abandon(base_id, AbandonReason.STAGE_LOST, f"no live replica of stage(s) {missing}")
+                    self.ledger.abandon(base_id, AbandonReason.STAGE_LOST, self._unroutable())
                     return None
                 if train:
                     route = self.routes.swapped_for(route, step, index)
@@ -381,6 +385,19 @@ class DataDriver(PipelineEngine):
             lost = f"{MAX_ATTEMPTS} forward passes lost, last: {last_reason}"[:200]
             self.ledger.abandon(base_id, AbandonReason.ATTEMPTS, lost)
             return None
+
+    def _unroutable(self) -> str:
+        """Why no route could be found: a stage with no live replica, or none this node still trusts."""
+        view = self.ctx.view
+        missing = view.stages_without_replica() if view is not None else []
+        if missing:
+            return f"no live replica of stage(s) {missing}"
+        excluded = self.auditor.excluded_peers()
+        distrusted = [s for s in range(1, self.run.pipeline.stages)
+                      if view is not None and all(n.peer_id in excluded for n in view.replicas(s))]  # fmt: skip
+        if distrusted:
+            return f"every live replica of stage(s) {distrusted} is excluded from this node's routes"
+        return "no route through the live replicas"
 
     async def _attempt(
         self,
@@ -414,6 +431,8 @@ class DataDriver(PipelineEngine):
         try:
             await push_forward(self, request, embedded.detach())
             outcome = await self._wait(entry, timeout_s)
+            if train and outcome.kind == "completed":
+                self.step_audits.note_completed(wire_id, entry)
         except HopFailed as e:
             kind = "abandoned" if e.stage_lost else "resend"
             outcome = Outcome(kind, lost_kind(e, AbandonReason.FORWARD), f"forward into stage {route[0][0]}: {e}")
@@ -494,6 +513,8 @@ class DataDriver(PipelineEngine):
         return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale)
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
+        if request.needs_backward:
+            self.step_audits.note_output(request.microbatch_id, x)
         entry.loss, grad, weight_grad = await self.compute(
             self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD
         )

@@ -47,6 +47,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
+from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
@@ -62,6 +63,7 @@ from shoal.protocol.pipeline import (
     RecoverRequest,
     StageCopyRequest,
     StepClose,
+    StepTranscriptRequest,
     check_hop,
 )
 from shoal.train.inner import InnerOptimizer
@@ -138,6 +140,7 @@ class StageWorker(PipelineEngine):
         self.edge_copy: EdgeCopyKeeper | None = None  # CheckFree+: our copy of stage 0, if we neighbour it
         if keeps_edge_copy(run.repair.rule, run.pipeline.stages, stage):
             self.edge_copy = EdgeCopyKeeper(self, run.repair.edge_copy_every)
+        self.transcripts = StepRecorder(run.defense.step_audit_rate > 0)  # for data nodes' step audits
 
     @property
     def busy(self) -> bool:
@@ -380,6 +383,7 @@ class StageWorker(PipelineEngine):
         adds it to the embedding: its W pass comes next, or W passes would pile up at the end of the
         step and hold back the next step's first forward, which waits for our inner step."""
         grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
+        self.transcripts.note_backward(request.microbatch_id, saved.x, grad)
         w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
         self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
         self.backwards += 1
@@ -604,6 +608,7 @@ class StageWorker(PipelineEngine):
             "step_close": self.on_step_close,
             "gossip": self.on_gossip,
             "copy_stage": self.on_copy_stage,
+            "step_transcript": self.on_step_transcript,
         }
 
     def progress(self) -> Progress:
@@ -633,6 +638,14 @@ class StageWorker(PipelineEngine):
             return None
         self.repair = await repair_stage(self, dead)
         return self.repair
+
+    async def on_step_transcript(self, request: StepTranscriptRequest, stream: FramedStream, sender: str) -> None:
+        """A data node audits the inner step that took one of its microbatches (shoal.train.step_audit)."""
+        if not await self._is_data_node(sender):
+            reason = self._refuse(sender, request.microbatch_id, "not a data node of this run")
+            await stream.write_message(Ack(accepted=False, reason=reason))
+            return
+        await self.transcripts.serve(request, stream)
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
         if request.stage == 0 and self.edge_copy is not None:
@@ -671,10 +684,13 @@ class StageWorker(PipelineEngine):
         try:
             pending, self.weight_grads = self.weight_grads, []
             await asyncio.gather(*pending)
-            stats = await self.compute(self.optimizer.step, self.closed_step, priority=BACKWARD)
+            at = self.closed_step
+            await self.compute(self.transcripts.before_step, self.module, self.optimizer, priority=BACKWARD)
+            stats = await self.compute(self.optimizer.step, at, priority=BACKWARD)
             if self.hooks.alters_weights:
                 params = list(self.module.parameters())
-                await self.compute(self.hooks.after_step, params, self.closed_step, priority=BACKWARD)
+                await self.compute(self.hooks.after_step, params, at, priority=BACKWARD)
+            await self.compute(self.transcripts.after_step, self.module, at, self.optimizer.lr_scale, priority=BACKWARD)
         finally:
             self.step_gate.set()
         if stats.skipped:
@@ -770,6 +786,7 @@ class StageWorker(PipelineEngine):
             "stream_retries": self.stream_retries,
             **self.streams.stats(),
             "copies_served": self.copies_served,
+            "transcripts_served": self.transcripts.served,
             "adversary": self.hooks.stage_attack_name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
             "edge_copy": self.edge_copy.stats() if self.edge_copy is not None else None,

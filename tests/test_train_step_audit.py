@@ -1,0 +1,113 @@
+"""Step audits (shoal.train.step_audit): a replica's inner step, recorded the way a worker records it
+(split backward, AdamW), replays within float noise; a blended direction, a forged input or gradient,
+a left-out microbatch and an output its weights do not compute are each caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shoal.config import load_run_config
+from shoal.model.split_backward import input_grad_first, recording_linears
+from shoal.model.stages import build_stage, over_the_wire
+from shoal.node.pipeline.worker.transcripts import PENDING, StepRecorder
+from shoal.train.inner import InnerOptimizer
+from shoal.train.step_audit import STEP_TOLERANCE, Known, judge_step, replay_step
+
+RUN = load_run_config("tiny")
+WIRE = torch.int8
+
+
+def _worker_steps(steps: int, blend: float = 0.0):
+    """A stage-1 replica taking `steps` inner steps of 2 microbatches each, as StageWorker does;
+    `blend` x a fixed direction is added to its weights after each step (the backdoor's way)."""
+    torch.manual_seed(0)
+    module = build_stage(RUN.model, RUN.pipeline.stages, 1, RUN.train.seed)
+    optimizer = InnerOptimizer(module, RUN.optim, RUN.train.steps)
+    recorder = StepRecorder(enabled=True)
+    direction = [torch.randn_like(p) * 0.05 for p in module.parameters()]
+    known: dict[str, Known] = {}
+    for step in range(steps):
+        for k in range(2):
+            sent = torch.randn(2, 16, RUN.model.d_model)
+            x = over_the_wire(sent, WIRE).requires_grad_(True)
+            with torch.enable_grad(), recording_linears(module) as calls:
+                y = module(x)
+            grad = over_the_wire(torch.randn_like(y) * 1e-3, WIRE)
+            _, weight_grads = input_grad_first(module, x, y, grad, calls)
+            weight_grads.accumulate()
+            mb = f"d-{step}.{k}#0.{'ab' * 16}"
+            recorder.note_backward(mb, x, grad)
+            known[mb] = Known(input=over_the_wire(sent, WIRE), output_grad=grad, output=over_the_wire(y.detach(), WIRE))
+        recorder.before_step(module, optimizer)
+        optimizer.step(step)
+        if blend:
+            with torch.no_grad():
+                for p, d in zip(module.parameters(), direction, strict=True):
+                    p.add_(d * blend)
+        recorder.after_step(module, step, optimizer.lr_scale)
+    return recorder, known
+
+
+def _audit(recorder, known, **change):
+    transcript = dataclasses.replace(recorder.steps[-1], **change)
+    ours = {mb: k for mb, k in known.items() if mb in recorder.steps[-1].microbatch_ids}
+    module = build_stage(RUN.model, RUN.pipeline.stages, 1, RUN.train.seed)
+    replayed = replay_step(module, RUN.optim, RUN.train.steps, transcript, WIRE)
+    return judge_step(transcript, replayed, ours)
+
+
+def test_an_honest_step_replays_within_float_noise():
+    recorder, known = _worker_steps(3)
+    verdict = _audit(recorder, known)
+    assert verdict.passed, verdict
+    assert verdict.discrepancy < STEP_TOLERANCE / 100, verdict
+
+
+def test_weights_that_moved_beside_the_gradient_fail():
+    recorder, known = _worker_steps(3, blend=0.01)
+    verdict = _audit(recorder, known)
+    assert not verdict.passed and "of a step away" in verdict.reason, verdict
+    print(verdict)
+
+
+def test_a_forged_input_or_gradient_a_left_out_microbatch_or_a_wrong_output_fail():
+    recorder, known = _worker_steps(2)
+    last = recorder.steps[-1]
+    forged = (last.inputs[0] * 1.01, *last.inputs[1:])
+    assert "input" in _audit(recorder, known, inputs=forged).reason
+    forged = (last.output_grads[0] + 1e-4, *last.output_grads[1:])
+    assert "gradient" in _audit(recorder, known, output_grads=forged).reason
+    left_out = _audit(
+        recorder,
+        known,
+        microbatch_ids=last.microbatch_ids[1:],
+        inputs=last.inputs[1:],
+        output_grads=last.output_grads[1:],
+    )
+    assert "left microbatch" in left_out.reason, left_out
+    mb = last.microbatch_ids[0]
+    wrong = {**known, mb: dataclasses.replace(known[mb], output=known[mb].output * 1.1)}
+    verdict = _audit(recorder, wrong)
+    assert not verdict.passed and "output" in verdict.reason, verdict
+
+
+def test_the_recorder_keeps_its_last_steps_and_says_when_a_step_is_still_pending():
+    recorder, _ = _worker_steps(5)
+    assert len(recorder.steps) == 3
+    assert recorder.find("d-0.0#0." + "ab" * 16) is None
+    assert recorder.find("d-4.1#0." + "ab" * 16) is recorder.steps[-1]
+    recorder.note_backward("d-5.0", torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    assert recorder.find("d-5.0") == PENDING
+    off = StepRecorder(enabled=False)
+    off.note_backward("x", torch.zeros(1), torch.zeros(1))
+    assert off.find("x") is None and not off.ids
+
+
+@pytest.mark.parametrize("blend", [0.0, 1e-3])
+def test_the_discrepancy_scales_with_what_was_blended_in(blend):
+    recorder, known = _worker_steps(2, blend=blend)
+    verdict = _audit(recorder, known)
+    assert verdict.passed == (blend == 0.0), verdict
