@@ -104,6 +104,18 @@ class NoLoCoAverager(Averager):
         """Average for `epoch`: with the planned partner, or whoever asks first, or alone."""
         worker = self.worker
         full = await worker.compute(pseudo_gradient, self.state, worker.module, priority=BACKWARD)
+        # A fresh list of the stage's replicas: pairs are drawn from it. Averaging every step (the data
+        # nodes' stage 0) goes by the last heartbeat's unless it finds no partner among other replicas
+        # (one that was joining then may be active now): a DHT read per step made a lone data node's
+        # steps 0.1 s longer
+        if self.config.inner_steps > 1 or (self._others() and self._partner(epoch) is None):
+            try:
+                await self.ctx.refresh_view()
+            except Exception as e:
+                logger.info("[%s] epoch %d: could not refresh the view (%r)", self.ctx.short_id, epoch, e)
+        if not self._others():  # the stage's only replica: nobody to average with, nothing to encode
+            await self._apply(epoch, self._owed(full), None)
+            return
         offer = await worker.compute(self._encode, full, priority=BACKWARD)
         delta = offer.delta  # Δ as the partner decodes it: what both of us average
         loop = asyncio.get_running_loop()
@@ -111,10 +123,6 @@ class NoLoCoAverager(Averager):
         self._offer = loop.create_future()
         self._offer.set_result(offer)
         self._offer_epoch = epoch
-        try:
-            await self.ctx.refresh_view()  # a fresh list of the stage's replicas: pairs are drawn from it
-        except Exception as e:
-            logger.info("[%s] epoch %d: could not refresh the view (%r)", self.ctx.short_id, epoch, e)
         partner = self._partner(epoch)
         theirs = None
         started = time.monotonic()
@@ -140,13 +148,18 @@ class NoLoCoAverager(Averager):
             theirs = self._answered.result()
         if theirs is None:
             logger.info("[%s] epoch %d: no partner in time; local outer step", self.ctx.short_id, epoch)
-            if self.error is not None:  # nothing was sent: the step takes all that is owed, exactly
-                full = [d + e for d, e in zip(full, self.error, strict=True)]
-            delta, self.error = full, None
+            delta = self._owed(full)
         else:
             self.exchange_s.append(time.monotonic() - started)
             self.error = offer.error
         await self._apply(epoch, delta, theirs)
+
+    def _owed(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A local step's Δ: nothing was sent, so the step takes all that is owed, exactly."""
+        if self.error is not None:
+            full = [d + e for d, e in zip(full, self.error, strict=True)]
+        self.error = None
+        return full
 
     def _encode(self, delta: list[torch.Tensor]) -> Offer:
         phi = list(self.state.phi)

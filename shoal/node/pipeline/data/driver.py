@@ -277,10 +277,10 @@ class DataDriver(PipelineEngine):
         self.closing = self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.step_audits.finish(step, self.closing)
         stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
-        if self.outer_step_follows(step):  # the workers average now: the next step starts on their result
-            epoch = self.averager.due(step) if self.averager is not None else None
-            if epoch is not None:  # and so does stage 0, with the other data nodes
-                await self.averager.outer_step(epoch)
+        epoch = self.averager.due(step) if self.averager is not None else None
+        if epoch is not None:  # stage 0 averages with the other data nodes (every step, by default)
+            await self.averager.outer_step(epoch)
+        if self.workers_average_after(step):  # the next step starts on the block stages' outer step
             await self.closes_taken()
         if stats.skipped:
             logger.warning("[%s] step %d skipped: gradient norm %s", self.ctx.short_id, step, stats.grad_norm)
@@ -299,8 +299,9 @@ class DataDriver(PipelineEngine):
         pending, self.weight_grads = self.weight_grads, []
         await asyncio.gather(*pending)
 
-    def outer_step_follows(self, step: int) -> bool:
-        return self.averager is not None and (step + 1) % self.averager.config.inner_steps == 0
+    def workers_average_after(self, step: int) -> bool:
+        averaging = self.run.averaging
+        return averaging.mode != "none" and (step + 1) % averaging.inner_steps == 0
 
     async def closes_taken(self) -> None:
         """Every worker has answered our last step close (or failed to)."""
