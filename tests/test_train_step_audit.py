@@ -111,3 +111,11 @@ def test_the_discrepancy_scales_with_what_was_blended_in(blend):
     recorder, known = _worker_steps(2, blend=blend)
     verdict = _audit(recorder, known)
     assert verdict.passed == (blend == 0.0), verdict
+
+
+def test_a_step_is_replayed_only_where_it_ran_the_same_way():
+    from shoal.node.pipeline.worker.transcripts import compute_kind
+
+    assert compute_kind(torch.device("cpu"), None) == "cpu:float32"
+    assert compute_kind(torch.device("cuda", 0), torch.bfloat16) == "cuda:bfloat16"
+    assert StepRecorder(enabled=True, compute="cuda:bfloat16").compute == "cuda:bfloat16"

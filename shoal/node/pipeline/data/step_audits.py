@@ -24,6 +24,7 @@ from shoal.model.hf import initial_stage
 from shoal.model.stages import over_the_wire
 from shoal.node.compute import BACKGROUND
 from shoal.node.net.transport import open_call, read_reply
+from shoal.node.pipeline.worker.transcripts import compute_kind
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.protocol.torch_tensors import TORCH_DTYPES
@@ -43,6 +44,10 @@ class TranscriptPending(Exception):
     """The replica has not taken the step yet."""
 
 
+class ElsewhereComputed(Exception):
+    """The replica's step ran on another kind of device or dtype than our replay would."""
+
+
 class StepAuditor:
     def __init__(self, driver: DataDriver):
         self.driver, self.ctx, self.run = driver, driver.ctx, driver.run
@@ -54,7 +59,8 @@ class StepAuditor:
         self.known: dict[str, dict[str, Known]] = {}  # replica -> wire id -> what we know of it there
         self.stages: dict[str, int] = {}  # replica -> its stage
         self.modules: dict[int, torch.nn.Module] = {}  # a stage's architecture, to replay on
-        self.audits = self.passed = self.failed = self.inconclusive = 0
+        self.compute = compute_kind(driver.device, self.ctx.compute_dtype)
+        self.audits = self.passed = self.failed = self.inconclusive = self.elsewhere = 0
         self.discrepancies: list[float] = []
         self.audit_s: list[float] = []
 
@@ -101,6 +107,9 @@ class StepAuditor:
         try:
             await asyncio.shield(closing)
             await self._audit(step, peer, stage, known)
+        except ElsewhereComputed as e:
+            self.elsewhere += 1
+            logger.info("[%s] step audit of %s at step %d: not replayed (%s)", self.ctx.short_id, peer[-8:], step, e)
         except Exception as e:  # a peer's failure or bad data: counted, never fatal to our run
             self.inconclusive += 1
             logger.info("[%s] step audit of %s at step %d: no verdict (%s)", self.ctx.short_id, peer[-8:], step, e)
@@ -153,6 +162,8 @@ class StepAuditor:
             if not ack.accepted:
                 raise TranscriptPending(ack.reason) if ack.reason.startswith("pending") else RuntimeError(ack.reason)
             header = await read_reply(stream, StepTranscriptHeader)
+            if header.compute != self.compute:
+                raise ElsewhereComputed(f"its step ran as {header.compute or 'unknown'}, ours would as {self.compute}")
             counts = {len(header.adam_steps), header.tensors}
             if counts != {len(reference)} or not len(header.rows) == len(header.seq_lens) == len(header.microbatch_ids):
                 raise ValueError("a transcript whose counts do not match the stage")
@@ -192,6 +203,7 @@ class StepAuditor:
             "passed": self.passed,
             "failed": self.failed,
             "inconclusive": self.inconclusive,
+            "elsewhere": self.elsewhere,  # steps computed on another kind of device or dtype: not replayed
             "max_discrepancy": max(self.discrepancies, default=None),
             "median_audit_s": sorted(self.audit_s)[len(self.audit_s) // 2] if self.audit_s else None,
         }

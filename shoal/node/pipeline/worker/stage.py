@@ -47,7 +47,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
-from shoal.node.pipeline.worker.transcripts import StepRecorder
+from shoal.node.pipeline.worker.transcripts import StepRecorder, compute_kind
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
@@ -140,7 +140,8 @@ class StageWorker(PipelineEngine):
         self.edge_copy: EdgeCopyKeeper | None = None  # CheckFree+: our copy of stage 0, if we neighbour it
         if keeps_edge_copy(run.repair.rule, run.pipeline.stages, stage):
             self.edge_copy = EdgeCopyKeeper(self, run.repair.edge_copy_every)
-        self.transcripts = StepRecorder(run.defense.step_audit_rate > 0)  # for data nodes' step audits
+        # for data nodes' step audits
+        self.transcripts = StepRecorder(run.defense.step_audit_rate > 0, compute_kind(ctx.device, ctx.compute_dtype))
 
     @property
     def busy(self) -> bool:

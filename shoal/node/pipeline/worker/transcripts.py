@@ -25,9 +25,14 @@ PENDING = "pending: the step that took it is not taken yet"
 WIRE_DTYPE = "float32"
 
 
+def compute_kind(device: torch.device, dtype: torch.dtype | None) -> str:
+    """Where a step runs, as `device:dtype`: two replays of one step agree bit for bit only there."""
+    return f"{device.type}:{str(dtype or torch.float32).removeprefix('torch.')}"
+
+
 class StepRecorder:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, compute: str = "cpu:float32"):
+        self.enabled, self.compute = enabled, compute
         self.ids: list[str] = []  # microbatches whose gradient is in since the last step
         self.inputs: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
@@ -84,6 +89,7 @@ class StepRecorder:
             microbatch_ids=t.microbatch_ids,
             rows=tuple(x.shape[0] for x in t.inputs),
             seq_lens=tuple(x.shape[1] for x in t.inputs),
+            compute=self.compute,
         )
         await stream.write_message(header)
         for tensor in (*t.before, *t.state.exp_avg, *t.state.exp_avg_sq, *t.after):
