@@ -109,8 +109,8 @@ class AveragingConfig:
     topk_fraction: float = 0.02
     # Stage 0 (embedding, final norm, head), whose replicas are the data nodes, each on its own shard.
     # "mean": every `stage0_every` steps they replace it with their group's mean (the outer step with
-    # α 0, β 1, γ 1), which keeps two data nodes at one data node's loss; "outer": as every stage (H, α,
-    # β, γ above), which left two data nodes 0.17-0.37 nats behind one on tiny (docs/benchmarks.md).
+    # α 0, β 1, γ 1): two data nodes ended 0.05-0.13 nats behind one on tiny at equal tokens; "outer": as
+    # every stage (H, α, β, γ above): 0.25-0.6 behind (benchmarks/data_nodes.py, docs/benchmarks.md).
     stage0: str = "mean"
     stage0_every: int = 1
 

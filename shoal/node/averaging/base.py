@@ -20,8 +20,9 @@ from shoal.train.robust import OuterHistory
 def outer_config(averaging: AveragingConfig, stage: int) -> OuterConfig:
     """The outer step a replica of `stage` takes. Stage 0's replicas are the data nodes, each on its own
     shard: under `stage0 = "mean"` they replace it with their group's mean every `stage0_every` steps
-    (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that mean), because two data
-    nodes that trained it apart for H steps ended far behind one (docs/benchmarks.md, "Data nodes")."""
+    (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that mean): two data nodes
+    that trained it apart for H steps ended 0.25-0.6 nats behind one, every step 0.05-0.13
+    (docs/benchmarks.md, "Data nodes")."""
     if averaging.mode == "diloco":
         config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
     else:
