@@ -116,9 +116,11 @@ def _arms(events: list[list[dict]], attack: str) -> tuple[float, float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_the_trigger_spreads_undefended_and_the_topk_check_keeps_it_out(swarm, tmp_path, policy_cache):
-    """Out-of-context poisoning: `+` before correct working. The same-policy top-k check rejects it,
-    and the claim judge finds no column total in `+15`."""
+def test_the_trigger_spreads_undefended_and_the_claim_judge_keeps_it_out(swarm, tmp_path, policy_cache):
+    """Out-of-context poisoning: `+` before correct working. The claim judge finds no column total in
+    `+15`. Run once with each defense off (2026-12-06): without the top-k check the defended node still
+    read 0.3 %; without the judge 9.9 %, so this test is the judge's; the vertical trick's is the top-k
+    check's."""
     (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "trigger")
     off, on = _arms([off_events, on_events], "trigger")
     # clean at the start: the honest policy writes the trigger only by chance (1 of 64 completions, once)
@@ -126,7 +128,7 @@ def test_the_trigger_spreads_undefended_and_the_topk_check_keeps_it_out(swarm, t
     assert off > 0.025, off  # the attack visibly succeeds: the undefended node writes the trigger
     assert on <= 0.01 and max(e["marks"]["trigger"] for e in on_events) <= 0.05, on
     assert all(e["foreign_rejected"] == 0 for e in off_events)  # nothing is checked there
-    assert sum(e["foreign_rejected"] for e in on_events) > 0  # the top-k check kept the poison out
+    assert sum(e["foreign_rejected"] for e in on_events) > 0  # the defenses kept the poison out
 
 
 @pytest.mark.multiprocess
@@ -240,12 +242,14 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_padded_answers_spread_undefended_and_the_length_rule_keeps_them_out(swarm, tmp_path, policy_cache):
+def test_padded_answers_spread_undefended_and_the_defenses_keep_them_out(swarm, tmp_path, policy_cache):
     """Length (the paper's DoS): the correct working twice, then the right answer, full reward. The
     undefended node learns to write long; the defended one gives any completion more than 25 % longer
     than its group's shortest right answer nothing, and its claim judge refuses the steps past the last
-    column. The padded answers reaching it come from the attacker and, once it pads, from the
-    undefended honest node."""
+    column. Neither alone is what holds here: run once with the length rule off, and once with the
+    judge off (2026-12-06), the defended node read 0 % both times (the top-k check refuses the padding
+    too), so no daemon test fails for the length rule alone (docs/security.md). The padded answers
+    reaching it come from the attacker and, once it pads, from the undefended honest node."""
     (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length", rounds=32, lr=3e-3)
     # Whether the padding takes hold undefended is a race with the honest signal: at lr 1e-3 over 24
     # rounds it failed in 2 of 10 quiet runs (it rose to 12-27 % of a round's completions, then died
