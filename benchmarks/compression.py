@@ -47,7 +47,7 @@ SETTINGS = {
     "int8 + int8 outer": ("int8", "int8"),
     "int8 + topk outer": ("int8", "topk"),
 }
-KINDS = ("activation", "gradient", "outer", "copy", "control")
+KINDS = ("activation", "gradient", "outer", "copy", "audit", "control")  # every kind a node counts (WIRE_KINDS)
 
 
 async def _bare_stream(link: str) -> dict:
