@@ -183,6 +183,6 @@ class StepTranscriptHeader:
     )
     rows: tuple[int, ...] = wire_field(max_len=MAX_TRANSCRIPT_MICROBATCHES, item=FieldOptions(ge=1, le=1 << 16))
     seq_lens: tuple[int, ...] = wire_field(max_len=MAX_TRANSCRIPT_MICROBATCHES, item=FieldOptions(ge=1, le=1 << 20))
-    # where the step ran, as `device:dtype` (e.g. `cpu:float32`, `cuda:bfloat16`): a replay elsewhere
+    # where the step ran, as `device type:dtype` (e.g. `cpu:float32`): a replay elsewhere
     # differs by more than float noise, so an auditor replays only steps that ran as it would
     compute: str = wire_field(max_len=32, token=True, default="")
