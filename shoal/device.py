@@ -126,6 +126,12 @@ def compute_context(device: torch.device, dtype: torch.dtype | None) -> Iterator
         yield
 
 
+def compute_kind(device: torch.device, dtype: torch.dtype | None) -> str:
+    """Where a job runs, as `device type:dtype` (`cpu:float32`): two replays of one step agree bit for
+    bit only on the same kind (shoal.train.step_audit)."""
+    return f"{device.type}:{str(dtype or torch.float32).removeprefix('torch.')}"
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` in host memory, detached; itself when it is there already. From CUDA through a pinned
     buffer, so the copy runs at the bus's speed and the caller may read the result at once."""

@@ -114,7 +114,7 @@ def test_the_discrepancy_scales_with_what_was_blended_in(blend):
 
 
 def test_a_step_is_replayed_only_where_it_ran_the_same_way():
-    from shoal.node.pipeline.worker.transcripts import compute_kind
+    from shoal.device import compute_kind
 
     assert compute_kind(torch.device("cpu"), None) == "cpu:float32"
     assert compute_kind(torch.device("cuda", 0), torch.bfloat16) == "cuda:bfloat16"

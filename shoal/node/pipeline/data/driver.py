@@ -262,7 +262,7 @@ class DataDriver(PipelineEngine):
         n_micro = self.run.microbatches_per_step
         slots = asyncio.Semaphore(self.ctx.max_inflight)
         self.step_peers = set()
-        self.step_audits.begin(step)
+        self.step_audits.begin()
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
             asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots, index=i))

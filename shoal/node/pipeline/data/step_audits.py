@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.device import compute_kind
 from shoal.model.hf import initial_stage
 from shoal.model.stages import over_the_wire
 from shoal.node.compute import BACKGROUND
 from shoal.node.net.transport import open_call, read_reply
-from shoal.node.pipeline.worker.transcripts import compute_kind
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.protocol.torch_tensors import TORCH_DTYPES
@@ -64,7 +65,7 @@ class StepAuditor:
         self.discrepancies: list[float] = []
         self.audit_s: list[float] = []
 
-    def begin(self, step: int) -> None:
+    def begin(self) -> None:
         self.recording = self.rate > 0 and self.rng.random() < self.rate
         self.outputs, self.known, self.stages = {}, {}, {}
 
@@ -191,10 +192,8 @@ class StepAuditor:
                               tuple(header.microbatch_ids), tuple(inputs), tuple(grads))  # fmt: skip
 
     async def _read(self, stream, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        return await stream.read_tensor(TensorSpec("float32", shape), max_bytes=numel * 4, device=self.driver.device)
+        spec = TensorSpec("float32", shape)
+        return await stream.read_tensor(spec, max_bytes=math.prod(shape) * 4, device=self.driver.device)
 
     def stats(self) -> dict:
         return {

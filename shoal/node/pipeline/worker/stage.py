@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal.device import compute_kind
 from shoal.model.hf import initial_stage
 from shoal.model.split_backward import LinearCall, WeightGrads, input_grad_first, recording_linears
 from shoal.node.averaging.base import Averager
@@ -47,7 +48,7 @@ from shoal.node.pipeline.hops import (
     push_forward,
     step_close_patience_s,
 )
-from shoal.node.pipeline.worker.transcripts import StepRecorder, compute_kind
+from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost

@@ -25,11 +25,6 @@ PENDING = "pending: the step that took it is not taken yet"
 WIRE_DTYPE = "float32"
 
 
-def compute_kind(device: torch.device, dtype: torch.dtype | None) -> str:
-    """Where a step runs, as `device:dtype`: two replays of one step agree bit for bit only there."""
-    return f"{device.type}:{str(dtype or torch.float32).removeprefix('torch.')}"
-
-
 class StepRecorder:
     def __init__(self, enabled: bool, compute: str = "cpu:float32"):
         self.enabled, self.compute = enabled, compute
