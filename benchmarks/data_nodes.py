@@ -1,14 +1,17 @@
 """Data nodes that agree: one data node against two that average stage 0, at equal tokens (issue 33).
 
-    .venv/bin/python benchmarks/data_nodes.py                  # 3 seeds x 4 arms, 300 steps: ~15 minutes
+    .venv/bin/python benchmarks/data_nodes.py                  # 3 seeds x 5 arms, 300 steps: ~40 minutes
+    .venv/bin/python benchmarks/data_nodes.py --arms one "two, stage 0 gradients"   # some arms only
 
 Every arm trains the bundled `tiny` run (everything sent as float32) with 2 workers per block stage and
 NoLoCo (H = 10) on real daemons, on the same seeds and the same number of tokens: one data node
 training `--steps` steps of 16 sequences on all of the data (`one`), or two data nodes, each on its half
 of the data (`--data-shard k/2`), whose stage 0 (embedding, final norm, LM head) they average:
-- `two, stage 0 mean` (the default, `[averaging] stage0 = "mean"`): they replace it with their pair's
-  mean after every step, with half the batch each (the one data node's batch split between two, as
-  data parallelism splits it);
+- `two, stage 0 gradients` (the default, `[averaging] stage0 = "gradients"`): they average its
+  gradients before every optimizer step (data parallelism) and its weights every 10 steps, with half
+  the batch each (the one data node's batch split between two, as data parallelism splits it);
+- `two, stage 0 mean`: they replace its weights with their pair's mean after every step, half the
+  batch each;
 - `two, stage 0 outer`: stage 0 averaged as every stage is (NoLoCo pairs every H steps, with α, β, γ),
   half the batch each;
 - `two, stage 0 outer, half the steps`: the same, for half the steps with the one's batch each.
@@ -40,7 +43,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "data_nodes.json"
 
 
 ARMS = {  # arm -> (data nodes, share of the steps each trains, share of the batch each trains, averaging.stage0)
-    "one": (1, 1, 1, "mean"),
+    "one": (1, 1, 1, "gradients"),
+    "two, stage 0 gradients": (2, 1, 2, "gradients"),
     "two, stage 0 mean": (2, 1, 2, "mean"),
     "two, stage 0 outer": (2, 1, 2, "outer"),
     "two, stage 0 outer, half the steps": (2, 2, 1, "outer"),
@@ -72,6 +76,7 @@ def run_swarm(run_file: Path, workdir: Path, data_nodes: int, timeout_s: float) 
     distances = [d for e in engines for d in e.get("averaging", {}).get("replica_distance", [])]
     tokens = data_nodes * run.train.steps * run.train.batch_size * run.train.seq_len
     stage0_bytes = sum(e.get("averaging", {}).get("bytes_sent", 0) for e in engines)
+    stage0_bytes += sum((e.get("stage0_gradients") or {}).get("bytes_sent", 0) for e in engines)
     return {
         "data_nodes": data_nodes,
         "steps_each": run.train.steps,
@@ -99,6 +104,7 @@ def markdown(result: dict) -> str:
         )
     means = {arm: [statistics.fmean(r["val_loss"]) for r in result["runs"] if r["arm"] == arm] for arm in ARMS}
     one = means["one"]
+    assert one, "the one data node's arm is the baseline: run it"
     lines = []
     for arm, values in means.items():
         if arm != "one" and values:
@@ -111,11 +117,12 @@ def markdown(result: dict) -> str:
 `{result["command"]}` ({wall_time(result["seconds"])}; the bundled `tiny` run, everything as float32, 2
 workers per block stage, NoLoCo every 10 steps, seeds {", ".join(map(str, result["seeds"]))}). At equal
 tokens: one data node training {result["steps"]} steps of 16 sequences on all of the data, or two data
-nodes each on its half, their stage 0 replaced by the pair's mean after every step (`stage0 = "mean"`, the
-default) or averaged as every stage (`"outer"`: NoLoCo every 10 steps, α 0.5, β 0.7, γ 0.7), with half the
-batch each or (outer) for half the steps. "val loss" is each data node's own (its stage 0 with the
+nodes each on its half, their stage 0's gradients averaged before every step and its weights every 10
+(`stage0 = "gradients"`, the default), its weights replaced by the pair's mean after every step
+(`"mean"`), or averaged as every stage (`"outer"`: NoLoCo every 10 steps, α 0.5, β 0.7, γ 0.7), with half
+the batch each or (outer) for half the steps. "val loss" is each data node's own (its stage 0 with the
 shared block stages); "stage-0 distance" is the two data nodes' L2 distance before their first and last
-pair update (and how many); "stage-0 bytes" what their stage-0 exchanges sent per trained token.
+weight update (and how many); "stage-0 bytes" what their stage-0 exchanges sent per trained token.
 
 | arm | seed | steps x batch, each | tokens | val loss | mean | stage-0 distance | stage-0 bytes/token | abandoned |
 |---|---|---|---|---|---|---|---|---|
@@ -131,6 +138,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300, help="the one data node's steps (each of two: half)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms to run")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -138,7 +146,8 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="shoal-data-nodes-") as tmp:
         for seed in args.seeds:
-            for arm, (data_nodes, step_share, batch_share, stage0) in ARMS.items():
+            for arm in args.arms:
+                data_nodes, step_share, batch_share, stage0 = ARMS[arm]
                 workdir = Path(tmp) / f"{len(runs)}"
                 workdir.mkdir()
                 run_file = workdir / "run.toml"

@@ -87,7 +87,7 @@ class DataConfig:
 
 
 AVERAGING_MODES = ("noloco", "diloco", "none")
-STAGE0_AVERAGING = ("mean", "outer")  # averaging.stage0
+STAGE0_AVERAGING = ("gradients", "mean", "outer")  # averaging.stage0
 
 
 @dataclass(frozen=True)
@@ -108,11 +108,15 @@ class AveragingConfig:
     codec: str = "float32"
     topk_fraction: float = 0.02
     # Stage 0 (embedding, final norm, head), whose replicas are the data nodes, each on its own shard.
-    # "mean": every `stage0_every` steps they replace it with their group's mean (the outer step with
-    # α 0, β 1, γ 1): two data nodes ended 0.05-0.13 nats behind one on tiny at equal tokens; "outer": as
-    # every stage (H, α, β, γ above): 0.25-0.6 behind (benchmarks/data_nodes.py, docs/benchmarks.md).
-    stage0: str = "mean"
+    # "gradients": before each optimizer step they average its gradients in pairs (data parallelism,
+    # shoal/train/gradient_mean.py), and its weights every `stage0_resync_every` steps, which brings
+    # back together replicas a missed exchange set apart. "mean": every `stage0_every` steps they
+    # replace its weights with their pair's mean (the outer step with α 0, β 1, γ 1). "outer": as every
+    # stage (H, α, β, γ above). Two data nodes against one on tiny at equal tokens: docs/benchmarks.md,
+    # "Data nodes" (benchmarks/data_nodes.py).
+    stage0: str = "gradients"
     stage0_every: int = 1
+    stage0_resync_every: int = 10
 
 
 REPAIR_RULES = ("checkfree", "checkfree_plus", "uniform", "copy", "random")
@@ -421,6 +425,8 @@ def _validate(cfg: RunConfig) -> None:
     need(a.stage0 in STAGE0_AVERAGING, "averaging.stage0",
          f"must be one of {', '.join(STAGE0_AVERAGING)}, got {a.stage0!r}")  # fmt: skip
     need(a.stage0_every >= 1, "averaging.stage0_every", f"must be at least 1, got {a.stage0_every}")
+    need(a.stage0_resync_every >= 1, "averaging.stage0_resync_every",
+         f"must be at least 1, got {a.stage0_resync_every}")  # fmt: skip
     r = cfg.repair
     need(r.rule in REPAIR_RULES, "repair.rule", f"must be one of {', '.join(REPAIR_RULES)}, got {r.rule!r}")
     need(

@@ -58,6 +58,7 @@ def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
         ("[repair]\nedge_copy_every = 0\n", "repair.edge_copy_every"),
         ("[averaging]\nstage0 = 'sum'\n", "averaging.stage0"),
         ("[averaging]\nstage0_every = 0\n", "averaging.stage0_every"),
+        ("[averaging]\nstage0_resync_every = 0\n", "averaging.stage0_resync_every"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):

@@ -161,17 +161,21 @@ def test_the_speed_test_sees_through_a_burst_of_load_but_not_through_steady_load
 
 
 @pytest.mark.parametrize("mode", ["noloco", "diloco"])
-def test_data_nodes_replace_stage_0_with_their_mean_every_step_and_block_stages_take_the_outer_step(mode):
+def test_data_nodes_replace_stage_0_with_their_mean_and_block_stages_take_the_outer_step(mode):
     import torch
 
+    from shoal.node.averaging.base import outer_codec_name
     from shoal.train.outer import OuterState, diloco_step, noloco_step
 
-    averaging = AveragingConfig(mode=mode)
+    averaging = AveragingConfig(mode=mode, codec="int8")
     block = outer_config(averaging, 1)
     assert (block.alpha, block.beta, block.inner_steps) == (averaging.alpha, averaging.beta, averaging.inner_steps)
-    stage0 = outer_config(averaging, 0)
+    assert averaging.stage0 == "gradients"  # the default: the weights' mean only resyncs them, in float32
+    assert outer_config(averaging, 0).inner_steps == averaging.stage0_resync_every == 10
+    assert outer_codec_name(averaging, 0) == "float32" and outer_codec_name(averaging, 1) == "int8"
+    stage0 = outer_config(AveragingConfig(mode=mode, stage0="mean"), 0)
     assert stage0.inner_steps == averaging.stage0_every == 1
-    assert outer_config(AveragingConfig(mode=mode, stage0="outer"), 0) == block
+    assert outer_config(AveragingConfig(mode=mode, stage0="outer"), 0) == outer_config(AveragingConfig(mode=mode), 1)
     # whatever momentum and slow weights the replicas hold, the step lands both on the mean of their θ
     phi_a, phi_b = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 3.0])]
     theta_a, theta_b = [torch.tensor([1.5, -1.0])], [torch.tensor([0.0, 2.0])]

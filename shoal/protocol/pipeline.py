@@ -13,6 +13,7 @@ from .schema import FieldOptions, wire_field
 
 MAX_ROUTE_HOPS = 64
 MAX_ID_CHARS = 96
+MAX_STAGE_TENSORS = 4096
 
 
 @message("hop")
@@ -132,6 +133,16 @@ class GossipRequest:
     tensors: int
 
 
+@message("grad_share")
+class GradientShare:
+    """Between data nodes, before each one's optimizer step `step`: stage 0's gradients, to step on their
+    mean (shoal/node/pipeline/data/gradients.py). Followed by the run's outer codec's pieces of
+    `tensors` gradients; the reply is an Ack, then (if accepted) the partner's in the same form."""
+
+    step: int = wire_field(ge=0)
+    tensors: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
+
+
 @message("copy_stage")
 class StageCopyRequest:
     """A node joining `stage` asks a live replica for its weights before it serves; a node rebuilding
@@ -154,7 +165,6 @@ class StageCopy:
 
 
 MAX_TRANSCRIPT_MICROBATCHES = 1024
-MAX_STAGE_TENSORS = 4096
 
 
 @message("transcript_req")

@@ -19,20 +19,29 @@ from shoal.train.robust import OuterHistory
 
 def outer_config(averaging: AveragingConfig, stage: int) -> OuterConfig:
     """The outer step a replica of `stage` takes. Stage 0's replicas are the data nodes, each on its own
-    shard: under `stage0 = "mean"` they replace it with their group's mean every `stage0_every` steps
-    (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that mean): two data nodes
-    that trained it apart for H steps ended 0.25-0.6 nats behind one, every step 0.05-0.13
-    (docs/benchmarks.md, "Data nodes")."""
+    shard: under `stage0 = "mean"` they replace it with their group's mean every `stage0_every` steps,
+    under `"gradients"` (whose per-step gradient mean is shoal/node/pipeline/data/gradients.py) every
+    `stage0_resync_every` (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that
+    mean). Trained apart for H steps, two data nodes ended 0.25-0.6 nats behind one (docs/benchmarks.md,
+    "Data nodes")."""
     if averaging.mode == "diloco":
         config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
     else:
         config = OuterConfig.noloco(
             alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
         )
-    if stage == 0 and averaging.stage0 == "mean":
-        plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": averaging.stage0_every}
+    if stage == 0 and averaging.stage0 != "outer":
+        every = averaging.stage0_every if averaging.stage0 == "mean" else averaging.stage0_resync_every
+        plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": every}
         config = dataclasses.replace(config, **plain_mean, **({"gamma": 1.0} if config.mode == "noloco" else {}))
     return config
+
+
+def outer_codec_name(averaging: AveragingConfig, stage: int) -> str:
+    """What the outer exchange of `stage` sends. Data nodes that average stage 0's gradients step in
+    lockstep, and their weights' mean every `stage0_resync_every` steps must keep them bit-identical:
+    it goes in float32, whatever the run's codec."""
+    return "float32" if stage == 0 and averaging.stage0 == "gradients" else averaging.codec
 
 
 class Replica(Protocol):

@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 import torch
 
 from shoal.device import float64
-from shoal.node.averaging.base import Averager, Replica, outer_config
+from shoal.node.averaging.base import Averager, Replica, outer_codec_name, outer_config
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.planning.swarm_view import SwarmView
@@ -50,7 +50,7 @@ class DiLoCoAverager(Averager):
         self.group_sizes: list[int] = []
         self.clipped = 0  # means the robust outer step clipped toward our own pseudo-gradient
         # int8: hivemind's 8-bit uniform quantisation of each part (a byte a value, a 256-float lookup)
-        self.codec = averaging.codec
+        self.codec = outer_codec_name(averaging, replica.stage)
 
     @property
     def maddrs(self) -> list[str]:

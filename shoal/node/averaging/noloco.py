@@ -23,7 +23,7 @@ import torch
 
 from shoal.device import float64
 from shoal.logs import printable
-from shoal.node.averaging.base import Averager, Replica, outer_config
+from shoal.node.averaging.base import Averager, Replica, outer_codec_name, outer_config
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import OuterStep
@@ -80,7 +80,7 @@ class NoLoCoAverager(Averager):
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
         super().__init__(ctx, replica, outer_config(averaging, replica.stage))
-        self.codec = OuterCodec(averaging.codec, averaging.topk_fraction)
+        self.codec = OuterCodec(outer_codec_name(averaging, replica.stage), averaging.topk_fraction)
         self.error: list[torch.Tensor] | None = None  # what our compressed Δs left out (outer_codec.py)
         self.bytes_sent = 0  # outer-exchange bytes this replica sent
         self._offer: asyncio.Future | None = None  # our Offer for the epoch in progress

@@ -19,6 +19,7 @@ from shoal.protocol.pipeline import (
     BackwardRequest,
     ForwardRequest,
     GossipRequest,
+    GradientShare,
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
@@ -87,6 +88,12 @@ class EngineService:
         handler = self._handler("gossip", peer)
         if handler is None:
             return Ack(accepted=False, reason="this node averages no stage")
+        return await handler(request, stream, peer.to_base58())
+
+    async def rpc_gradient_share(self, request: GradientShare, stream: FramedStream, peer: PeerID) -> Ack | None:
+        handler = self._handler("gradient_share", peer)
+        if handler is None:
+            return Ack(accepted=False, reason="this node shares no stage-0 gradients")
         return await handler(request, stream, peer.to_base58())
 
     async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: PeerID) -> Ack | None:

@@ -38,6 +38,7 @@ from shoal.node.engine import (
 )
 from shoal.node.net.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
+from shoal.node.pipeline.data.gradients import GradientExchange
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
 from shoal.node.pipeline.data.probes import run_probes
 from shoal.node.pipeline.data.progress import ProgressFile, StageWatch
@@ -60,6 +61,7 @@ from shoal.protocol.pipeline import (
     Ack,
     BackwardRequest,
     ForwardRequest,
+    GradientShare,
     Hop,
     OutputRequest,
     RecoverRequest,
@@ -129,6 +131,8 @@ class DataDriver(PipelineEngine):
         # stage 0's replicas are the data nodes: they average it as any stage's replicas do
         averager_type = AVERAGERS.get(run.averaging.mode)
         self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
+        shares = averager_type is not None and run.averaging.stage0 == "gradients"
+        self.gradients = GradientExchange(ctx, self) if shares else None  # before each step (gradients.py)
         self.shard, self.num_shards = shard, num_shards
         self.ledger = MicrobatchLedger()
         self.in_flight: dict[str, InFlight] = {}
@@ -276,6 +280,8 @@ class DataDriver(PipelineEngine):
         await self.closes_taken()  # the last step's: one close in flight at a time
         self.closing = self.close_step(step, completed=len(losses), abandoned=n_micro - len(losses))
         self.step_audits.finish(step, self.closing)
+        if self.gradients is not None:  # stage 0's gradients: the mean of ours and another data node's
+            await self.gradients.exchange(step)
         stats = await self.compute(self.optimizer.step, step)  # while the workers take theirs
         epoch = self.averager.due(step) if self.averager is not None else None
         if epoch is not None:  # stage 0 averages with the other data nodes (every step, by default)
@@ -694,7 +700,13 @@ class DataDriver(PipelineEngine):
             "abandon": self.on_abandon,
             "copy_stage": self.on_copy_stage,
             "gossip": self.on_gossip,
+            "gradient_share": self.on_gradient_share,
         }
+
+    async def on_gradient_share(self, request: GradientShare, stream: FramedStream, sender: str) -> Ack | None:
+        if self.gradients is None:
+            return Ack(accepted=False, reason="this data node does not average stage-0 gradients")
+        return await self.gradients.on_share(request, stream, sender)
 
     def progress(self) -> Progress:
         averager = self.averager
@@ -783,6 +795,7 @@ class DataDriver(PipelineEngine):
             "steps": len(self.history),
             "refused": self.refused,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
+            "stage0_gradients": self.gradients.stats() if self.gradients is not None else None,
             **self.ledger.summary(),
             **self.summary,
             **self.streams.stats(),

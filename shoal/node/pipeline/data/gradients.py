@@ -1,0 +1,206 @@
+"""Data nodes average stage 0's gradients before each optimizer step (`[averaging] stage0 = "gradients"`,
+the default; the why is in shoal/train/gradient_mean.py).
+
+At step t a data node pairs with another data node as NoLoCo pairs replicas (a permutation seeded by
+run, stage 0 and t: with two data nodes, always each other), and the two swap their gradients over
+`rpc_gradient_share`: the lower id calls, the other answers whoever asks first. Both step on the same
+mean. A data node with no partner in time, or whose partner's gradients are refused, steps on its own
+and never waits on the swarm longer than the run's exchange timeout. Stage 0's weights are still
+averaged every `stage0_resync_every` steps by the node's averager, which brings back together replicas
+that a missed exchange, or a join, set apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+import torch
+
+from shoal.node.compute import BACKWARD
+from shoal.node.context import NodeContext
+from shoal.node.net.transport import FramedStream, open_call, read_reply
+from shoal.protocol.errors import BadTensor
+from shoal.protocol.pipeline import Ack, GradientShare
+from shoal.protocol.tensors import TensorSpec
+from shoal.train.gradient_mean import gradient_refusal, gradients_of, mean_of, set_gradients
+from shoal.train.outer import check_partner_tensors, noloco_partner
+from shoal.train.outer_codec import OuterCodec
+
+logger = logging.getLogger(__name__)
+
+STAGE = 0
+CALL_RETRY_S = 0.05  # between polls for our own gradients while a partner's call waits for them
+
+
+class Stage0Holder(Protocol):
+    module: torch.nn.Module
+
+    async def compute(self, fn: Any, *args: Any, priority: int = ...) -> Any: ...
+
+
+class GradientExchange:
+    def __init__(self, ctx: NodeContext, holder: Stage0Holder):
+        averaging, self.ctx, self.holder = ctx.run.averaging, ctx, holder
+        self.timeout_s = averaging.exchange_timeout_s
+        self.codec = OuterCodec("int8" if averaging.codec == "topk" else averaging.codec)
+        self.robust, self.tolerance = ctx.run.defense.robust_outer, ctx.run.defense.outer_tolerance
+        self.shapes = [tuple(p.shape) for p in holder.module.parameters()]
+        self.error: list[torch.Tensor] | None = None  # what our int8 gradients left out, sent next step
+        self.step = -1  # the last step exchanged for (or given up): later calls for it are refused
+        self._offer: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # (step, pieces, sent)
+        self._answered: asyncio.Future | None = None
+        self.shared = 0  # steps taken on a pair's mean
+        self.alone = 0  # steps with other data nodes about but no partner's gradients taken
+        self.refused: dict[str, str] = {}  # partner -> why its gradients were not taken, latest
+        self.bytes_sent = 0
+        self.exchange_s: list[float] = []
+
+    def _replicas(self) -> list[str]:
+        view = self.ctx.view
+        peers = [n.peer_id for n in view.replicas(STAGE) if n.state == "active"] if view else []
+        return peers if self.ctx.peer_id in peers else [*peers, self.ctx.peer_id]
+
+    async def exchange(self, step: int) -> bool:
+        """Before our optimizer step of `step`: replace stage 0's gradients with our pair's mean.
+        Returns whether a partner's gradients were taken."""
+        replicas = self._replicas()
+        if len(replicas) < 2:  # the only data node: nothing to send, nothing to wait for
+            self.step = step
+            return False
+        partner = noloco_partner(self.ctx.run.run_id, STAGE, step, replicas, self.ctx.peer_id)
+        own = await self.holder.compute(gradients_of, self.holder.module, priority=BACKWARD)
+        pieces, sent, error = await self.holder.compute(self.codec.encode_delta, own, self.error, priority=BACKWARD)
+        loop = asyncio.get_running_loop()
+        self._answered = loop.create_future()
+        self._offer = (step, pieces, sent)
+        started, theirs = time.monotonic(), None
+        try:
+            # the odd one out (partner None) steps on its own, unless a data node whose view differs called
+            if partner is not None and self.ctx.peer_id < partner:
+                theirs = await self._call(partner, step, pieces) or await self._wait_for_call(self.timeout_s / 3)
+            elif partner is not None:
+                theirs = await self._wait_for_call(self.timeout_s / 3) or await self._call(partner, step, pieces)
+        except Exception as e:  # unreachable, a broken stream, bad tensors: our own gradients
+            logger.info("[%s] step %d: gradient exchange failed (%r)", self.ctx.short_id, step, e)
+        finally:
+            self._offer, self.step = None, max(self.step, step)
+        if theirs is None and self._answered.done():
+            theirs = self._answered.result()
+        if theirs is None:
+            logger.info("[%s] step %d: no data node's gradients in time; our own", self.ctx.short_id, step)
+        elif await self._take(step, sent, *theirs):
+            self.error = error
+            self.exchange_s.append(time.monotonic() - started)
+            return True
+        self.alone += 1
+        return False
+
+    async def _take(self, step: int, sent: list[torch.Tensor], theirs: list[torch.Tensor], sender: str) -> bool:
+        """Step on the mean of `sent` (ours, as the partner decoded it) and `theirs`, unless screened out."""
+        clip = self.ctx.run.optim.grad_clip
+        why = gradient_refusal(sent, theirs, self.tolerance, clip) if self.robust else None
+        if why is not None:
+            self.refused[sender] = why
+            logger.warning("[%s] step %d: stage-0 gradients of %s refused: %s", self.ctx.short_id, step,
+                           sender[-8:], why)  # fmt: skip
+            return False
+        mean = await self.holder.compute(mean_of, sent, theirs, priority=BACKWARD)
+        await self.holder.compute(set_gradients, self.holder.module, mean, priority=BACKWARD)
+        self.shared += 1
+        return True
+
+    async def _wait_for_call(self, timeout_s: float):
+        assert self._answered is not None
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._answered), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def _call(self, partner: str, step: int, pieces: list[torch.Tensor]):
+        try:
+            stream = await open_call(self.ctx.p2p, partner, "rpc_gradient_share", self.timeout_s)
+        except Exception as e:
+            self.ctx.suspects.mark(partner, f"gradient share dial failed: {e!r}")
+            raise
+        try:
+            await stream.write_message(GradientShare(step=step, tensors=len(self.shapes)))
+            await self._send(stream, pieces)
+            ack = await read_reply(stream, Ack)
+            if not ack.accepted:
+                logger.info("[%s] step %d: %s declined our gradients: %s", self.ctx.short_id, step, partner[-8:],
+                            ack.reason)  # fmt: skip
+                return None
+            return await self._receive(stream), partner
+        finally:
+            stream.close()
+
+    async def on_share(self, request: GradientShare, stream: FramedStream, sender: str) -> Ack | None:
+        """Another data node's gradients for `request.step`: read them, then answer with ours once we
+        are at that step (within the exchange timeout)."""
+        theirs = await self._receive(stream)  # read first: a refusal must not leave the sender blocked
+        reason = self._refusal(request, sender)
+        found = None
+        if reason is None:
+            found = await self._wait_for_offer(request.step)
+            reason = None if found is not None else f"not at step {request.step} in time"
+        if reason is not None:
+            return Ack(accepted=False, reason=reason)
+        assert found is not None
+        (_, pieces, _), answered = found
+        self._offer = None  # one exchange per step
+        await stream.write_message(Ack(accepted=True))
+        await self._send(stream, pieces)
+        if not answered.done():  # that step's exchange, even if ours has given up on it meanwhile
+            answered.set_result((theirs, sender))
+        return None
+
+    def _refusal(self, request: GradientShare, sender: str) -> str | None:
+        if request.tensors != len(self.shapes):
+            return f"expected {len(self.shapes)} tensors, got {request.tensors}"
+        view = self.ctx.view
+        if view is None or sender not in {n.peer_id for n in view.replicas(STAGE)}:
+            return "not a live data node of this run"
+        if request.step <= self.step:
+            return f"step {request.step} is over here"
+        return None
+
+    async def _wait_for_offer(self, step: int):
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and self.step < step:
+            if self._offer is not None and self._offer[0] == step and self._answered is not None:
+                return self._offer, self._answered
+            await asyncio.sleep(CALL_RETRY_S)
+        return None
+
+    async def _send(self, stream: FramedStream, pieces: list[torch.Tensor]) -> None:
+        for piece in pieces:
+            self.bytes_sent += await stream.write_exact(piece, str(piece.dtype).removeprefix("torch."))
+
+    async def _receive(self, stream: FramedStream) -> list[torch.Tensor]:
+        device = next(self.holder.module.parameters()).device
+        pieces = []
+        for want in self.codec.delta_specs(self.shapes):
+            spec = TensorSpec(want.dtype, want.shape, want.max_abs)
+            pieces.append(await stream.read_exact(spec, max_bytes=max(1, want.nbytes), device=device))
+        grads = self.codec.decode_delta(pieces, self.shapes)
+        reference = [torch.empty(s, device=device) for s in self.shapes]
+        try:
+            check_partner_tensors(grads, reference, "partner gradients", dtype=torch.float32)
+        except BadTensor as e:
+            logger.warning("[%s] refused stage-0 gradients: %s", self.ctx.short_id, e)
+            raise
+        return grads
+
+    def stats(self) -> dict:
+        return {
+            "codec": self.codec.name,
+            "shared": self.shared,
+            "alone": self.alone,
+            "refused": dict(self.refused),
+            "bytes_sent": self.bytes_sent,
+            "bytes_per_exchange": sum(s.nbytes for s in self.codec.delta_specs(self.shapes)),
+            "exchange_s": [round(t, 4) for t in self.exchange_s],
+        }
