@@ -253,7 +253,11 @@ class StageWorker(PipelineEngine):
         comes while a step is taken (another data node's, whose clock is not ours) waits for it."""
         if not needs_backward:
             return await self.compute(self._run_forward, x, False, priority=FORWARD)
-        await self.step_gate.wait()
+        # A woken wait has not run yet when the step that set the gate hands over to an outer step, which
+        # clears it again at once (the close that ended an inner step may end an outer epoch too): look
+        # again before building a graph, or the outer step overwrites the weights under it.
+        while not self.step_gate.is_set():
+            await self.step_gate.wait()
         self.graphs_starting += 1
         try:
             return await self.compute(self._run_forward, x, True, priority=FORWARD)
