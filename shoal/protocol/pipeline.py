@@ -146,22 +146,28 @@ class GradientShare:
 @message("copy_stage")
 class StageCopyRequest:
     """A node joining `stage` asks a live replica for its weights before it serves; a node rebuilding
-    a lost stage asks the neighbouring stages' replicas for theirs (CheckFree)."""
+    a lost stage asks the neighbouring stages' replicas for theirs (CheckFree). `moments`: AdamW's
+    moments too (a data node joining others that step stage 0 on one mean gradient, in lockstep)."""
 
     stage: int
+    moments: bool = False
 
 
 @message("stage_copy")
 class StageCopy:
     """The answer to a StageCopyRequest: the replica's counters and last gradient norms (unclipped and
     clipped; None before its first step), then `tensors` tensors of θ and the same number of φ (its
-    slow weights)."""
+    slow weights), then (if asked) as many of AdamW's first moments and as many second."""
 
     inner_step: int
     outer_epoch: int
     tensors: int
     grad_norm: float | None = None
     grad_norm_clipped: float | None = None
+    # asked for moments: AdamW's step per tensor, and after φ, `tensors` first and second moments each
+    adam_steps: tuple[float, ...] = wire_field(
+        max_len=MAX_STAGE_TENSORS, item=FieldOptions(ge=0.0, le=1e12), default=()
+    )
 
 
 MAX_TRANSCRIPT_MICROBATCHES = 1024

@@ -62,3 +62,38 @@ class InnerOptimizer:
         stats = StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm, skipped=skipped)
         self.step_count += 1
         return stats
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """AdamW's state of one stage, in `parameters()` order (empty moments: no step taken yet)."""
+
+    step_count: int  # InnerOptimizer.step_count
+    adam_steps: tuple[float, ...]
+    exp_avg: tuple[torch.Tensor, ...]
+    exp_avg_sq: tuple[torch.Tensor, ...]
+
+
+def optimizer_state(optimizer: InnerOptimizer) -> OptimizerState:
+    """A copy of `optimizer`'s state: to report later (step audits), or to hand to a joining replica."""
+    steps, avg, avg_sq = [], [], []
+    for p in optimizer.module.parameters():
+        state = optimizer.adamw.state.get(p, {})
+        steps.append(float(state["step"]) if "step" in state else 0.0)
+        avg.append(state["exp_avg"].detach().clone() if "exp_avg" in state else torch.zeros_like(p))
+        avg_sq.append(state["exp_avg_sq"].detach().clone() if "exp_avg_sq" in state else torch.zeros_like(p))
+    return OptimizerState(optimizer.step_count, tuple(steps), tuple(avg), tuple(avg_sq))
+
+
+def load_optimizer_state(optimizer: InnerOptimizer, state: OptimizerState) -> None:
+    """Go on from `state` (its moments on each parameter's device and dtype)."""
+    optimizer.step_count = state.step_count
+    for p, step, avg, avg_sq in zip(
+        optimizer.module.parameters(), state.adam_steps, state.exp_avg, state.exp_avg_sq, strict=True
+    ):
+        if step > 0:
+            optimizer.adamw.state[p] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": avg.to(p).clone(),
+                "exp_avg_sq": avg_sq.to(p).clone(),
+            }

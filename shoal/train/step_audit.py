@@ -29,7 +29,7 @@ from torch import nn
 
 from shoal.config import OptimConfig
 from shoal.model.stages import over_the_wire
-from shoal.train.inner import InnerOptimizer
+from shoal.train.inner import InnerOptimizer, OptimizerState, load_optimizer_state
 
 # θ-after may differ from the replay by this share of the step's own size (‖replayed − before‖).
 # Honest replicas measured 0 to 1e-6 (the same code and CPU replays a step bit for bit or nearly);
@@ -40,16 +40,6 @@ STEP_TOLERANCE = 1e-3
 OUTPUT_TOLERANCE = 1e-2
 # Inputs and output gradients that this data node sent are compared as the replica received them.
 INPUT_TOLERANCE = 1e-5
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerState:
-    """AdamW's state of one stage, in `parameters()` order (empty moments: no step taken yet)."""
-
-    step_count: int  # InnerOptimizer.step_count
-    adam_steps: tuple[float, ...]
-    exp_avg: tuple[torch.Tensor, ...]
-    exp_avg_sq: tuple[torch.Tensor, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,30 +71,6 @@ class StepVerdict:
     passed: bool
     discrepancy: float  # ‖θ-after − replay‖ ÷ ‖replay − θ-before‖ (0 when not replayed)
     reason: str = ""
-
-
-def optimizer_state(optimizer: InnerOptimizer) -> OptimizerState:
-    """A copy of `optimizer`'s state, to report later."""
-    steps, avg, avg_sq = [], [], []
-    for p in optimizer.module.parameters():
-        state = optimizer.adamw.state.get(p, {})
-        steps.append(float(state["step"]) if "step" in state else 0.0)
-        avg.append(state["exp_avg"].detach().clone() if "exp_avg" in state else torch.zeros_like(p))
-        avg_sq.append(state["exp_avg_sq"].detach().clone() if "exp_avg_sq" in state else torch.zeros_like(p))
-    return OptimizerState(optimizer.step_count, tuple(steps), tuple(avg), tuple(avg_sq))
-
-
-def load_optimizer_state(optimizer: InnerOptimizer, state: OptimizerState) -> None:
-    optimizer.step_count = state.step_count
-    for p, step, avg, avg_sq in zip(
-        optimizer.module.parameters(), state.adam_steps, state.exp_avg, state.exp_avg_sq, strict=True
-    ):
-        if step > 0:
-            optimizer.adamw.state[p] = {
-                "step": torch.tensor(step, dtype=torch.float32),
-                "exp_avg": avg.to(p).clone(),
-                "exp_avg_sq": avg_sq.to(p).clone(),
-            }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from shoal.planning.donors import donor_order
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
+from shoal.train.inner import OptimizerState, load_optimizer_state, optimizer_state
 from shoal.train.outer import check_partner_tensors
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,19 @@ class StageHolder(Protocol):
     async def compute(self, fn: Callable[..., Any], *args: Any, priority: int = ...) -> Any: ...
 
 
-def _snapshot(worker: StageHolder) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def wants_moments(worker: StageHolder) -> bool:
+    """Whether a joiner of this stage copies AdamW's moments too: data nodes that average stage 0's
+    gradients step in lockstep, and one with fresh moments would step differently on the same mean."""
+    return worker.stage == 0 and worker.ctx.run.averaging.stage0 == "gradients"
+
+
+Snapshot = tuple[list[torch.Tensor], list[torch.Tensor], OptimizerState | None]  # θ, φ, AdamW's state
+
+
+def _snapshot(worker: StageHolder, moments: bool) -> Snapshot:
     theta = [p.detach().clone() for p in worker.module.parameters()]
     phi = list(worker.averager.state.phi) if worker.averager is not None else theta
-    return theta, phi
+    return theta, phi, optimizer_state(worker.optimizer) if moments else None
 
 
 async def serve_stage_copy(worker: StageHolder, request: StageCopyRequest, stream: FramedStream) -> None:
@@ -71,13 +81,13 @@ async def serve_stage_copy(worker: StageHolder, request: StageCopyRequest, strea
         return
     worker.copies_serving += 1
     try:
-        await _serve(worker, stream)
+        await _serve(worker, stream, request.moments)
     finally:
         worker.copies_serving -= 1
 
 
-async def _serve(worker: StageHolder, stream: FramedStream) -> None:
-    theta, phi = await worker.compute(_snapshot, worker, priority=BACKWARD)
+async def _serve(worker: StageHolder, stream: FramedStream, moments: bool) -> None:
+    theta, phi, state = await worker.compute(_snapshot, worker, moments, priority=BACKWARD)
     if worker.ctx.hooks.faults.copy_delay_s:  # an experiment's slow uplink: the copy holds its slot longer
         await asyncio.sleep(worker.ctx.hooks.faults.copy_delay_s)
     epoch = worker.averager.epoch if worker.averager is not None else 0
@@ -88,9 +98,11 @@ async def _serve(worker: StageHolder, stream: FramedStream) -> None:
         tensors=len(theta),
         grad_norm=worker.grad_norms.raw,
         grad_norm_clipped=worker.grad_norms.clipped,
+        adam_steps=state.adam_steps if state is not None else (),
     )
     await stream.write_message(header)
-    for tensor in (*theta, *phi):
+    extra = (*state.exp_avg, *state.exp_avg_sq) if state is not None else ()
+    for tensor in (*theta, *phi, *extra):
         await stream.write_tensor(tensor, WIRE_DTYPE, kind="copy")
 
 
@@ -106,45 +118,66 @@ class FetchedStage:
     outer_epoch: int
     grad_norm: float | None
     grad_norm_clipped: float | None
+    moments: OptimizerState | None = None  # AdamW's, where asked for and the replica had them
 
 
 async def fetch_stage(
-    p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, wait_if_busy: bool = True
+    p2p: Any,
+    peer: str,
+    stage: int,
+    reference: list[torch.Tensor],
+    timeout_s: float,
+    wait_if_busy: bool = True,
+    moments: bool = False,
 ) -> FetchedStage:
-    """θ and φ of `stage` from `peer`, checked against `reference` (count, shapes, dtype, finite).
-    `p2p`: a node's, or any client's (`shoal export` fetches every stage this way). A peer busy serving
-    another copy is asked again until `timeout_s` has passed, or (`wait_if_busy` False) raises DonorBusy."""
+    """θ and φ of `stage` from `peer` (and AdamW's moments, if `moments`), checked against `reference`
+    (count, shapes, dtype, finite). `p2p`: a node's, or any client's (`shoal export` fetches every stage
+    this way). A peer busy serving another copy is asked again until `timeout_s` has passed, or
+    (`wait_if_busy` False) raises DonorBusy."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await _fetch_once(p2p, peer, stage, reference, timeout_s)
+            return await _fetch_once(p2p, peer, stage, reference, timeout_s, moments)
         except DonorBusy:
             if not wait_if_busy or time.monotonic() + BUSY_RETRY_S >= deadline:
                 raise
             await asyncio.sleep(BUSY_RETRY_S)
 
 
-async def _fetch_once(p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float) -> FetchedStage:
+async def _fetch_once(
+    p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, moments: bool
+) -> FetchedStage:
     stream = await open_call(p2p, peer, "rpc_copy_stage", timeout_s)
+    n = len(reference)
     try:
-        await stream.write_message(StageCopyRequest(stage=stage))
+        await stream.write_message(StageCopyRequest(stage=stage, moments=moments))
         ack = await read_reply(stream, Ack)
         if not ack.accepted:
             raise DonorBusy(ack.reason) if ack.reason == BUSY else RuntimeError(ack.reason)
         header = await read_reply(stream, StageCopy)
-        if header.tensors != len(reference):
-            raise BadTensor(f"stage copy of {header.tensors} tensors, expected {len(reference)}")
+        if header.tensors != n:
+            raise BadTensor(f"stage copy of {header.tensors} tensors, expected {n}")
+        if len(header.adam_steps) not in ((0, n) if moments else (0,)):
+            raise BadTensor(f"stage copy with {len(header.adam_steps)} AdamW steps for {n} tensors")
         received = []
-        for like in (*reference, *reference):
+        for like in reference * (4 if header.adam_steps else 2):
             spec = TensorSpec(WIRE_DTYPE, tuple(like.shape))
             received.append(await stream.read_tensor(spec, max_bytes=like.numel() * 4, device=like.device))
     finally:
         stream.close()
-    theta, phi = received[: len(reference)], received[len(reference) :]
+    theta, phi = received[:n], received[n : 2 * n]
     check_partner_tensors(theta, reference, "copied weights", dtype=torch.float32)
     check_partner_tensors(phi, reference, "copied slow weights", dtype=torch.float32)
+    state = None
+    if header.adam_steps:
+        exp_avg, exp_avg_sq = received[2 * n : 3 * n], received[3 * n :]
+        check_partner_tensors(exp_avg, reference, "copied first moments", dtype=torch.float32)
+        check_partner_tensors(exp_avg_sq, reference, "copied second moments", dtype=torch.float32)
+        if any(bool((v < 0).any()) for v in exp_avg_sq):
+            raise BadTensor("copied second moments: negative values")
+        state = OptimizerState(header.inner_step, tuple(header.adam_steps), tuple(exp_avg), tuple(exp_avg_sq))
     return FetchedStage(peer, stage, theta, phi, header.inner_step, header.outer_epoch, header.grad_norm,
-                        header.grad_norm_clipped)  # fmt: skip
+                        header.grad_norm_clipped, state)  # fmt: skip
 
 
 @dataclass
@@ -175,7 +208,7 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
         logger.info("[%s] copying stage %d from %s", ctx.short_id, worker.stage, source.peer_id[-8:])
         try:
             fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s,
-                                        wait_if_busy=False)  # fmt: skip
+                                        wait_if_busy=False, moments=wants_moments(worker))  # fmt: skip
         except DonorBusy:
             logger.info("[%s] %s is serving another copy of stage %d: trying another replica", ctx.short_id,
                         source.peer_id[-8:], worker.stage)  # fmt: skip
@@ -187,9 +220,10 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
             attempt.failed[source.peer_id] = str(e)[:200] or type(e).__name__
             ctx.suspects.mark(source.peer_id, f"stage copy failed: {e}")
             continue
-        await adopt_stage(worker, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch)
-        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d)", ctx.short_id, worker.stage,
-                    source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch)  # fmt: skip
+        await adopt_stage(worker, fetched.theta, fetched.phi, fetched.inner_step, fetched.outer_epoch, fetched.moments)
+        logger.info("[%s] copied stage %d from %s (inner step %d, outer epoch %d%s)", ctx.short_id, worker.stage,
+                    source.peer_id[-8:], fetched.inner_step, fetched.outer_epoch,
+                    ", AdamW's moments" if fetched.moments is not None else "")  # fmt: skip
         attempt.source = source.peer_id
         return attempt
     return attempt
@@ -218,16 +252,24 @@ async def join_stage(worker: StageHolder) -> CopyAttempt:
 
 
 async def adopt_stage(
-    worker: StageHolder, theta: list[torch.Tensor], phi: list[torch.Tensor], inner_step: int, outer_epoch: int
+    worker: StageHolder,
+    theta: list[torch.Tensor],
+    phi: list[torch.Tensor],
+    inner_step: int,
+    outer_epoch: int,
+    moments: OptimizerState | None = None,
 ) -> None:
-    """Serve these weights from now on, with the swarm's counters (the schedule goes on from there)."""
-    await worker.compute(_load, worker, theta, inner_step, priority=BACKWARD)
+    """Serve these weights from now on, with the swarm's counters (the schedule goes on from there), and
+    AdamW's moments where given (else ours, fresh)."""
+    await worker.compute(_load, worker, theta, inner_step, moments, priority=BACKWARD)
     if worker.averager is not None:
         worker.averager.adopt(phi, outer_epoch)
 
 
-def _load(worker: StageHolder, theta: list[torch.Tensor], inner_step: int) -> None:
+def _load(worker: StageHolder, theta: list[torch.Tensor], inner_step: int, moments: OptimizerState | None) -> None:
     with torch.no_grad():
         for param, value in zip(worker.module.parameters(), theta, strict=True):
             param.copy_(value)
+    if moments is not None:
+        load_optimizer_state(worker.optimizer, moments)
     worker.optimizer.step_count = inner_step  # the learning-rate schedule goes on from there

@@ -32,7 +32,11 @@ from shoal.train.outer_codec import OuterCodec
 logger = logging.getLogger(__name__)
 
 STAGE = 0
-CALL_RETRY_S = 0.05  # between polls for our own gradients while a partner's call waits for them
+OVER = "is over here"  # the end of the refusal of a call for a step we have passed
+
+
+class Behind(Exception):
+    """Our partner has passed the step we are at: we step alone until we catch up, without waiting."""
 
 
 class Stage0Holder(Protocol):
@@ -50,10 +54,13 @@ class GradientExchange:
         self.shapes = [tuple(p.shape) for p in holder.module.parameters()]
         self.error: list[torch.Tensor] | None = None  # what our int8 gradients left out, sent next step
         self.step = -1  # the last step exchanged for (or given up): later calls for it are refused
+        self.called_for = -1  # the latest step a partner's call asked us for: beyond ours, we are behind
         self._offer: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # (step, pieces, sent)
         self._answered: asyncio.Future | None = None
+        self._news = asyncio.Condition()  # notified when our offer or our step changes: a waiting call looks again
         self.shared = 0  # steps taken on a pair's mean
         self.alone = 0  # steps with other data nodes about but no partner's gradients taken
+        self.behind = 0  # ... of which our partner had passed the step (a joiner catching up)
         self.refused: dict[str, str] = {}  # partner -> why its gradients were not taken, latest
         self.bytes_sent = 0
         self.exchange_s: list[float] = []
@@ -75,18 +82,21 @@ class GradientExchange:
         pieces, sent, error = await self.holder.compute(self.codec.encode_delta, own, self.error, priority=BACKWARD)
         loop = asyncio.get_running_loop()
         self._answered = loop.create_future()
-        self._offer = (step, pieces, sent)
+        await self._publish((step, pieces, sent), self.step)
         started, theirs = time.monotonic(), None
         try:
             # the odd one out (partner None) steps on its own, unless a data node whose view differs called
             if partner is not None and self.ctx.peer_id < partner:
-                theirs = await self._call(partner, step, pieces) or await self._wait_for_call(self.timeout_s / 3)
+                theirs = await self._call(partner, step, pieces) or await self._wait_for_call(step)
             elif partner is not None:
-                theirs = await self._wait_for_call(self.timeout_s / 3) or await self._call(partner, step, pieces)
+                theirs = await self._wait_for_call(step) or await self._call(partner, step, pieces)
+        except Behind as e:
+            self.behind += 1
+            logger.info("[%s] step %d: %s; our own gradients until we catch up", self.ctx.short_id, step, e)
         except Exception as e:  # unreachable, a broken stream, bad tensors: our own gradients
             logger.info("[%s] step %d: gradient exchange failed (%r)", self.ctx.short_id, step, e)
         finally:
-            self._offer, self.step = None, max(self.step, step)
+            await self._publish(None, max(self.step, step))
         if theirs is None and self._answered.done():
             theirs = self._answered.result()
         if theirs is None:
@@ -112,12 +122,23 @@ class GradientExchange:
         self.shared += 1
         return True
 
-    async def _wait_for_call(self, timeout_s: float):
-        assert self._answered is not None
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._answered), timeout_s)
-        except TimeoutError:
-            return None
+    async def _wait_for_call(self, step: int):
+        """A partner's gradients if it calls for `step` within a third of the exchange timeout (our views
+        of who pairs with whom may differ); raises Behind if a call for a later step comes meanwhile."""
+        answered = self._answered
+        assert answered is not None
+
+        def heard() -> bool:
+            return answered.done() or self.called_for > step
+
+        async with self._news:
+            try:
+                await asyncio.wait_for(self._news.wait_for(heard), self.timeout_s / 3)
+            except TimeoutError:
+                return None
+        if answered.done():
+            return answered.result()
+        raise Behind(f"a partner called for step {self.called_for}")
 
     async def _call(self, partner: str, step: int, pieces: list[torch.Tensor]):
         try:
@@ -130,6 +151,8 @@ class GradientExchange:
             await self._send(stream, pieces)
             ack = await read_reply(stream, Ack)
             if not ack.accepted:
+                if ack.reason.endswith(OVER):
+                    raise Behind(f"{partner[-8:]} is past step {step}")
                 logger.info("[%s] step %d: %s declined our gradients: %s", self.ctx.short_id, step, partner[-8:],
                             ack.reason)  # fmt: skip
                 return None
@@ -144,6 +167,9 @@ class GradientExchange:
         reason = self._refusal(request, sender)
         found = None
         if reason is None:
+            async with self._news:  # we may be behind: a wait for a call for an earlier step gives up
+                self.called_for = max(self.called_for, request.step)
+                self._news.notify_all()
             found = await self._wait_for_offer(request.step)
             reason = None if found is not None else f"not at step {request.step} in time"
         if reason is not None:
@@ -153,8 +179,10 @@ class GradientExchange:
         self._offer = None  # one exchange per step
         await stream.write_message(Ack(accepted=True))
         await self._send(stream, pieces)
-        if not answered.done():  # that step's exchange, even if ours has given up on it meanwhile
-            answered.set_result((theirs, sender))
+        async with self._news:
+            if not answered.done():  # that step's exchange, even if ours has given up on it meanwhile
+                answered.set_result((theirs, sender))
+            self._news.notify_all()
         return None
 
     def _refusal(self, request: GradientShare, sender: str) -> str | None:
@@ -164,15 +192,27 @@ class GradientExchange:
         if view is None or sender not in {n.peer_id for n in view.replicas(STAGE)}:
             return "not a live data node of this run"
         if request.step <= self.step:
-            return f"step {request.step} is over here"
+            return f"step {request.step} {OVER}"
         return None
 
+    async def _publish(self, offer: tuple | None, step: int) -> None:
+        async with self._news:
+            self._offer, self.step = offer, step
+            self._news.notify_all()
+
     async def _wait_for_offer(self, step: int):
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline and self.step < step:
+        """Our offer and its exchange's future once we reach `step` (None if we pass it, or not in time)."""
+
+        def ready() -> bool:
+            return self.step >= step or (self._offer is not None and self._offer[0] == step)
+
+        async with self._news:
+            try:
+                await asyncio.wait_for(self._news.wait_for(ready), self.timeout_s)
+            except TimeoutError:
+                return None
             if self._offer is not None and self._offer[0] == step and self._answered is not None:
                 return self._offer, self._answered
-            await asyncio.sleep(CALL_RETRY_S)
         return None
 
     async def _send(self, stream: FramedStream, pieces: list[torch.Tensor]) -> None:
@@ -199,6 +239,7 @@ class GradientExchange:
             "codec": self.codec.name,
             "shared": self.shared,
             "alone": self.alone,
+            "behind": self.behind,
             "refused": dict(self.refused),
             "bytes_sent": self.bytes_sent,
             "bytes_per_exchange": sum(s.nbytes for s in self.codec.delta_specs(self.shapes)),

@@ -29,8 +29,9 @@ from shoal.node.net.transport import open_call, read_reply
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.protocol.torch_tensors import TORCH_DTYPES
+from shoal.train.inner import OptimizerState
 from shoal.train.outer import check_partner_tensors
-from shoal.train.step_audit import Known, OptimizerState, StepTranscript, StepVerdict, judge_step, replay_step
+from shoal.train.step_audit import Known, StepTranscript, StepVerdict, judge_step, replay_step
 
 if TYPE_CHECKING:
     from shoal.node.pipeline.data.driver import DataDriver, InFlight

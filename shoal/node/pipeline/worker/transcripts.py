@@ -15,8 +15,8 @@ import torch
 
 from shoal.node.net.transport import FramedStream
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
-from shoal.train.inner import InnerOptimizer
-from shoal.train.step_audit import OptimizerState, StepTranscript, optimizer_state
+from shoal.train.inner import InnerOptimizer, OptimizerState, optimizer_state
+from shoal.train.step_audit import StepTranscript
 
 logger = logging.getLogger(__name__)
 
