@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -103,6 +104,9 @@ def markdown(result: dict) -> str:
             f"{r['stage0_bytes_per_token']:,.0f} | {r['abandoned']} |"
         )
     means = {arm: [statistics.fmean(r["val_loss"]) for r in result["runs"] if r["arm"] == arm] for arm in ARMS}
+    arms = [arm for arm in ARMS if means[arm]]
+    left = [arm for arm in ARMS if not means[arm]]
+    missing = f" (not run this time: {', '.join(f'`{arm}`' for arm in left)})" if left else ""
     one = means["one"]
     assert one, "the one data node's arm is the baseline: run it"
     lines = []
@@ -123,6 +127,7 @@ nodes each on its half, their stage 0's gradients averaged before every step and
 the batch each or (outer) for half the steps. "val loss" is each data node's own (its stage 0 with the
 shared block stages); "stage-0 distance" is the two data nodes' L2 distance before their first and last
 weight update (and how many); "stage-0 bytes" what their stage-0 exchanges sent per trained token.
+This run's arms: {", ".join(f"`{arm}`" for arm in arms)}{missing}.
 
 | arm | seed | steps x batch, each | tokens | val loss | mean | stage-0 distance | stage-0 bytes/token | abandoned |
 |---|---|---|---|---|---|---|---|---|
@@ -140,7 +145,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms to run")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--render", action="store_true", help="rewrite the docs section from the saved JSON only")
     args = parser.parse_args()
+    if args.render:
+        write_section("data-nodes", markdown(json.loads(RESULTS.read_text())))
+        return 0
     began = time.perf_counter()
     base = load_run_config("tiny").replace(FULL_PRECISION)
     runs = []
@@ -162,7 +171,7 @@ def main() -> int:
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     assert len({r["tokens"] for r in runs}) == 1, "both arms must train the same tokens"
     result = {
-        "command": "python benchmarks/data_nodes.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/data_nodes.py", *sys.argv[1:]]),
         "steps": args.steps,
         "seeds": args.seeds,
         "seconds": time.perf_counter() - began,
