@@ -81,6 +81,10 @@ T_RECOVER_S = 30.0  # the paper: recovering a stage takes about 30 s
 T_RELOAD_S = 30.0  # assumed: every stage fetches its checkpoint at once, the same transfer as a repair
 T_SAVE_S = 3.0  # (91.35 - 91.32) s x 100: the paper's per-iteration checkpointing overhead at its interval
 REDUNDANT_FACTOR = 151.04 / 91.35  # redundant computation's iteration time over the base (paper: 1.65)
+# The paper's no-failure run to its target: redundant computation is that curve at 151.04 s an iteration,
+# and took 419.6 h. `--paper-length` lets one step here stand for PAPER_ITERATIONS / (our steps to the
+# target) of the paper's iterations, so that failures land as densely in the run as in the paper's.
+PAPER_ITERATIONS = 419.6 * 3600 / 151.04
 PAPER_HOURS = {  # wall-clock to validation loss 2.85 (500M), by failure rate
     0.05: {"checkpointing": 558.2, "redundant": 419.6, "checkfree": 367.8, "checkfree_plus": 355.1},
     0.10: {"checkpointing": 621.7, "redundant": 419.6, "checkfree": 405.9, "checkfree_plus": 367.8},
@@ -146,6 +150,8 @@ class Pipeline:
         self.head, self.blocks = build_all_stages(run.model, self.stages, run.train.seed)
         self.optimizers = [InnerOptimizer(m, run.optim, run.train.steps) for m in [self.head, *self.blocks]]
         self.norms = [float("nan")] * self.stages  # each stage's last unclipped gradient norm
+        # CheckFree+: stage 0's neighbours copy it every `repair.edge_copy_every` steps (node/stage/edge_copy.py)
+        self.stage0_copy: tuple[int, list[torch.Tensor]] | None = None  # (steps trained, weights)
 
     def branch(self, run: RunConfig) -> Pipeline:
         """A copy to train on under another repair config (only the repair section may differ)."""
@@ -159,7 +165,7 @@ class Pipeline:
         n = self.run.microbatches_per_step
         natural = list(range(1, self.stages))
         total = 0.0
-        step = self.optimizers[0].step_count  # stage 0 never fails: its count is the run's
+        step = self.optimizers[0].step_count  # stage 0's count is the run's (a repair of it keeps the count)
         for j, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
             variant = swap_variant(step, j, n, self.run.repair.swaps)  # the data node's rule
             order = natural if variant is None else swapped_order(natural, self.stages, variant)
@@ -168,6 +174,9 @@ class Pipeline:
             total += float(loss.detach())
         for stage, optimizer in enumerate(self.optimizers):
             self.norms[stage] = optimizer.step().grad_norm
+        every = self.run.repair.edge_copy_every
+        if self.run.repair.rule == "checkfree_plus" and (step + 1) % every == 0:
+            self.stage0_copy = (step + 1, [p.detach().clone() for p in self.head.parameters()])
         return total / n
 
     @torch.no_grad()
@@ -179,11 +188,31 @@ class Pipeline:
         losses = [float(forward_route(self.head, route, x, y)) for x, y in batches]
         return statistics.fmean(losses)
 
+    def module(self, stage: int) -> torch.nn.Module:
+        return self.head if stage == 0 else self.blocks[stage - 1]
+
     def wipe(self, stage: int) -> None:
         with torch.no_grad():
-            for p in self.blocks[stage - 1].parameters():
+            for p in self.module(stage).parameters():
                 p.fill_(float("nan"))
         self.norms[stage] = float("nan")
+
+    def _repair_stage0(self, slot: int) -> dict:
+        """Stage 0 back from the copy its neighbours keep under CheckFree+ (up to `edge_copy_every` steps
+        old), else a fresh initialisation: what a data node that starts with nothing gets. Either way a
+        fresh AdamW at the schedule (a new data node's, as in the daemon), its step count going on."""
+        step = self.optimizers[0].step_count
+        if self.run.repair.rule == "checkfree_plus" and self.stage0_copy is not None:
+            copied_at, weights = self.stage0_copy
+            rule, note = "edge_copy", f"copy of step {copied_at}, {step - copied_at} step(s) old"
+        else:
+            weights, rule, note = fresh_weights(self.run, 0, slot), "random", "no copy of stage 0: fresh weights"
+        with torch.no_grad():
+            for p, w in zip(self.head.parameters(), weights, strict=True):
+                p.copy_(w)
+        self.optimizers[0] = InnerOptimizer(self.head, self.run.optim, self.run.train.steps)
+        self.optimizers[0].step_count = step
+        return {"slot": slot, "stage": 0, "rule": rule, "sources": [], "mix": [], "note": note, "norms": []}
 
     def repair(self, lost: list[int], slot: int) -> list[dict]:
         """Wipe the lost stages, then rebuild each by the run's rule from the stages still alive."""
@@ -191,8 +220,8 @@ class Pipeline:
             self.wipe(stage)
         available = set(range(1, self.stages)) - set(lost)
         clip, rule = self.run.optim.grad_clip, self.run.repair.rule
-        records = []
-        for stage in lost:
+        records = [self._repair_stage0(slot)] if 0 in lost else []
+        for stage in (s for s in lost if s > 0):
             plan = plan_repair(stage, self.stages, available, rule)
             neighbours = [
                 Neighbour(
@@ -319,11 +348,13 @@ class Experiment:
         for step in range(start, self.steps):
             if step in lost_at:
                 before = pipe.evaluate(self.splits)
-                skipped = pipe.evaluate(self.splits, skip=lost_at[step])  # what the lost stages were worth
+                blocks = [s for s in lost_at[step] if s > 0]  # stage 0 cannot be left out of a route
+                skipped = pipe.evaluate(self.splits, skip=blocks) if blocks else None  # what the lost stages were worth
                 records = pipe.repair(lost_at[step], step)
                 after = pipe.evaluate(self.splits)
                 for record in records:
-                    record.update(val_before=round(before, 4), val_after=round(after, 4), val_skipped=round(skipped, 4))
+                    worth = None if skipped is None else round(skipped, 4)
+                    record.update(val_before=round(before, 4), val_after=round(after, 4), val_skipped=worth)
                 repairs += records
             losses.append(pipe.train_step(self.batches[step]))
             if (step + 1) % self.eval_every == 0:
@@ -410,7 +441,9 @@ def failure_measures(
                 "spike": trace.losses[k] - statistics.fmean(trace.losses[k - smooth : k]),
                 "spike_paired": gap[k] - pre_gap,
                 "val_jump": repairs[0]["val_after"] - repairs[0]["val_before"],
-                "stage_worth": repairs[0]["val_skipped"] - repairs[0]["val_before"],
+                "stage_worth": None
+                if repairs[0]["val_skipped"] is None
+                else repairs[0]["val_skipped"] - repairs[0]["val_before"],
                 "recover_steps": recovered,
                 "recover_window": end - k - smooth,
             }
@@ -418,25 +451,39 @@ def failure_measures(
     return out
 
 
-def modelled_hours(steps_to_target: float | None, failures: list[Failure], steps: int) -> tuple[float, bool]:
-    """A run that repairs in place: its iterations plus T_RECOVER_S per slot that lost a stage. A run
-    that never reached the target gives a lower bound, its whole length (and False)."""
+def modelled_hours(
+    steps_to_target: float | None, failures: list[Failure], steps: int, step_s: float = T_ITER_S
+) -> tuple[float, bool]:
+    """A run that repairs in place: its iterations (`step_s` each) plus T_RECOVER_S per slot that lost a
+    stage. A run that never reached the target gives a lower bound, its whole length (and False)."""
     reached = steps_to_target is not None
     iterations = steps_to_target if reached else float(steps)
     slots = {f.slot for f in failures if f.slot < iterations}
-    return (iterations * T_ITER_S + len(slots) * T_RECOVER_S) / 3600, reached
+    return (iterations * step_s + len(slots) * T_RECOVER_S) / 3600, reached
 
 
-def checkpoint_hours(steps_to_target: float, failures: list[Failure], interval: int) -> dict:
-    run = checkpoint_timeline(failures, interval, math.ceil(steps_to_target), max_slots=10**6)
-    seconds = (steps_to_target + run.lost_steps) * T_ITER_S + run.rollbacks * T_RELOAD_S + run.saves * T_SAVE_S
-    return {"hours": seconds / 3600, "lost_steps": run.lost_steps, "rollbacks": run.rollbacks, "saves": run.saves}
+def interval_steps(paper_interval: int, step_s: float) -> int:
+    """The paper's checkpoint interval (in its iterations) in this run's steps, at least one."""
+    return max(1, round(paper_interval * T_ITER_S / step_s))
+
+
+def checkpoint_hours(steps_to_target: float, failures: list[Failure], interval: int, step_s: float = T_ITER_S) -> dict:
+    every = interval_steps(interval, step_s)
+    run = checkpoint_timeline(failures, every, math.ceil(steps_to_target), max_slots=10**6)
+    seconds = (steps_to_target + run.lost_steps) * step_s + run.rollbacks * T_RELOAD_S + run.saves * T_SAVE_S
+    return {
+        "hours": seconds / 3600,
+        "every_steps": every,
+        "lost_steps": run.lost_steps,
+        "rollbacks": run.rollbacks,
+        "saves": run.saves,
+    }
 
 
 # ---- one seed -------------------------------------------------------------------------------------
 
 
-def plan(steps: int, seed: int, rate_scale: float, rate_baselines: list[str]) -> dict:
+def plan(steps: int, seed: int, rate_scale: float, rate_baselines: list[str], step_s: float = T_ITER_S) -> dict:
     """The failure schedules of one seed (shared by every strategy) and who trains under each."""
     q = steps // 4
     third = steps // 3
@@ -447,9 +494,10 @@ def plan(steps: int, seed: int, rate_scale: float, rate_baselines: list[str]) ->
             ["checkfree", "checkfree_clipped", "uniform", "copy", "random"],
         ),
         "edge": (single_wipes([(third, 1), (2 * third, 6)]), ["checkfree_plus", "checkfree"]),
+        "stage0": (single_wipes([(q, 0), (3 * q, 0)]), ["checkfree_plus", "checkfree"]),
     }
     for rate in RATES:
-        failures = rate_failures(rate, T_ITER_S, range(1, 7), horizon, seed, rate_scale)
+        failures = rate_failures(rate, step_s, range(1, 7), horizon, seed, rate_scale)
         strategies = ["checkfree", "checkfree_plus"] + (rate_baselines if rate == RATES[-1] else [])
         schedules[f"rate_{round(rate * 100)}"] = (failures, strategies)
     return schedules
@@ -458,7 +506,7 @@ def plan(steps: int, seed: int, rate_scale: float, rate_baselines: list[str]) ->
 def run_seed(args, seed: int) -> dict:
     started = time.monotonic()
     experiment = Experiment(args.steps, seed, args.eval_every, args.setting)
-    schedules = plan(args.steps, seed, args.rate_scale, args.rate_baselines)
+    schedules = plan(args.steps, seed, args.rate_scale, args.rate_baselines, args.step_s)
     branch_at: dict[str, set[int]] = {"none": set(), "none_swaps": set()}
     for failures, strategies in schedules.values():
         first = [f.slot for f in failures if f.slot < args.steps]
@@ -505,7 +553,7 @@ def run_seed(args, seed: int) -> dict:
             rate = int(name.removeprefix("rate_")) / 100
             section.update(
                 rate_per_hour=rate,
-                p_step=args.rate_scale * step_probability(rate, T_ITER_S),
+                p_step=min(1.0, args.rate_scale * step_probability(rate, args.step_s)),
                 failures_in_horizon=len(failures),
             )
         traces: dict[str, Trace] = {}
@@ -530,13 +578,15 @@ def run_seed(args, seed: int) -> dict:
             }
             if in_run:
                 entry["failures"] = failure_measures(trace, reference, in_run, args.steps, args.smooth)
-            entry["hours"], entry["reached"] = modelled_hours(entry["steps_to_target"], failures, args.steps)
+            entry["hours"], entry["reached"] = modelled_hours(
+                entry["steps_to_target"], failures, args.steps, args.step_s
+            )
             section["strategies"][strategy] = entry
         if name.startswith("rate_"):
             ideal = result["reference"]["none"]["steps_to_target"]
-            section["no_failure_hours"] = ideal * T_ITER_S / 3600
-            section["redundant_hours"] = ideal * REDUNDANT_FACTOR * T_ITER_S / 3600
-            section["checkpointing"] = {str(k): checkpoint_hours(ideal, failures, k) for k in INTERVALS}
+            section["no_failure_hours"] = ideal * args.step_s / 3600
+            section["redundant_hours"] = ideal * REDUNDANT_FACTOR * args.step_s / 3600
+            section["checkpointing"] = {str(k): checkpoint_hours(ideal, failures, k, args.step_s) for k in INTERVALS}
         result["experiments"][name] = section
     replay = single_wipes([(args.replay_steps // 2 - 3, MIDDLE), (args.replay_steps - 7, MIDDLE + 1)])
     result["checkpoint_replay_check"] = experiment.check_checkpoint_replay(10, args.replay_steps, replay)
@@ -572,7 +622,7 @@ def spread(values: list[float | None], digits: int = 3, reached: list[bool] | No
 def summarise(seeds: list[dict]) -> dict:
     """Medians over seeds (and, for per-failure measures, over a seed's failures too)."""
     out: dict = {"per_failure": {}, "rates": {}, "swap_cost": {}}
-    for experiment in ("interior", "edge"):
+    for experiment in ("interior", "edge", "stage0"):
         rows = {}
         for strategy in seeds[0]["experiments"][experiment]["strategies"]:
             events = [e for r in seeds for e in r["experiments"][experiment]["strategies"][strategy]["failures"]]
@@ -608,6 +658,7 @@ def summarise(seeds: list[dict]) -> dict:
             }
         row["checkpointing"] = {
             k: {
+                "every_steps": sections[0]["checkpointing"][k]["every_steps"],
                 "hours": [s["checkpointing"][k]["hours"] for s in sections],
                 "lost_steps": [s["checkpointing"][k]["lost_steps"] for s in sections],
                 "rollbacks": [s["checkpointing"][k]["rollbacks"] for s in sections],
@@ -689,6 +740,14 @@ def reading(result: dict) -> str:
         f"{_median(cp['spike_paired']):.2f}, steps to recover {_median(cf['recover_steps']):.0f} vs "
         f"{_median(cp['recover_steps']):.0f} (paper: CheckFree+ far below)."
     )
+    plus, fresh = s["per_failure"]["stage0"]["checkfree_plus"], s["per_failure"]["stage0"]["checkfree"]
+    lines.append(
+        f"- Stage-0 wipes, CheckFree+'s copy vs fresh weights: val-loss jump {_median(plus['val_jump']):.2f} vs "
+        f"{_median(fresh['val_jump']):.2f}, spike vs no-failure {_median(plus['spike_paired']):.2f} vs "
+        f"{_median(fresh['spike_paired']):.2f}, steps to recover {_median(plus['recover_steps']):.0f} vs "
+        f"{_median(fresh['recover_steps']):.0f}, final val loss {_median(plus['final_val']):.3f} vs "
+        f"{_median(fresh['final_val']):.3f} (paper: E and E⁻¹ recovered exactly)."
+    )
     swap = s["swap_cost"]
     lines.append(
         f"- No failures, swaps cost: steps to the target {_median(swap['none_swaps']['steps_to_target']):.0f} with "
@@ -703,7 +762,7 @@ def reading(result: dict) -> str:
             ours = spread(r["ratios"][f"{strategy}/checkpoint_100"], 2, r["ratios"][f"{strategy}/reached"])
             cells.append(f"{label} {ours} (paper {r['paper_ratios'][strategy]:.2f})")
         lines.append(
-            f"- {pct} %/h, time to target over checkpointing every 100 steps: {'; '.join(cells)}; "
+            f"- {pct} %/h, time to target over checkpointing every 100 iterations: {'; '.join(cells)}; "
             f"{_median(r['failures_in_run']):.0f} failures in the run."
         )
     same = [r["experiments"]["interior"].get("clipped_same_as_unclipped", False) for r in result["seeds"]]
@@ -753,11 +812,17 @@ def markdown(result: dict) -> str:
                 jumps.setdefault(record["slot"], (record["val_after"] - record["val_before"], []))[1].append(
                     f"{record['stage']}{'' if record['rule'] in ('checkfree', 'uniform') else ' ' + record['rule']}"
                 )
-            text = ", ".join(f"{slot}: {'+'.join(st)} {jump:+.2f}" for slot, (jump, st) in jumps.items())
+            if len(jumps) > 12:  # a dense schedule: how many, and how the jumps spread
+                values = [jump for jump, _ in jumps.values()]
+                text = (f"{len(jumps)} steps lost {len(entry['repairs'])} stages; val-loss jump per step "
+                        f"{spread(values, 2)}, largest {max(values):+.2f}")  # fmt: skip
+            else:
+                text = ", ".join(f"{slot}: {'+'.join(st)} {jump:+.2f}" for slot, (jump, st) in jumps.items())
             cells.append(f"{LABELS[strategy]}: {text or 'none'}")
         return f"- seed {seed['seed']}, {pct} %/h: " + "; ".join(cells)
 
     edge_labels = {"checkfree_plus": "CheckFree+ (swaps, copy the partner)", "checkfree": "copy neighbour, no swaps"}
+    stage0_labels = {"checkfree_plus": "CheckFree+ (the neighbours' copy)", "checkfree": "no copy: fresh weights"}
     rate_rows = []
     for r in s["rates"].values():
         pct = f"{round(r['rate_per_hour'] * 100)} %"
@@ -768,8 +833,11 @@ def markdown(result: dict) -> str:
                 f"{spread(e['steps_to_target'], 0)} | {spread(e['hours'], 1, e['reached'])} |"
             )
         for k, c in r["checkpointing"].items():
+            every = (
+                k if str(c.get("every_steps", k)) == k else f"{k} of the paper's iterations = {c['every_steps']} steps"
+            )
             rate_rows.append(
-                base + f"| checkpoint every {k} (no-failure curve; replayed steps {spread(c['lost_steps'], 0)}, "
+                base + f"| checkpoint every {every} (no-failure curve; replayed steps {spread(c['lost_steps'], 0)}, "
                 f"roll-backs {spread(c['rollbacks'], 0)}) | – | – | {spread(c['hours'], 1)} |"
             )
         rate_rows.append(
@@ -799,10 +867,41 @@ def markdown(result: dict) -> str:
         f"{spread(swap['none']['steps_to_target'], 0)} / {spread(swap['none_swaps']['steps_to_target'], 0)}"
     )
     scale = f"x{a['rate_scale']}" + (" (no scaling)" if a["rate_scale"] == 1 else " (scaled up)")
+    interval_unit = "of the paper's iterations" if a.get("paper_length") else "steps"
+    if a.get("paper_length"):
+        mapping = (
+            f"scaled to the run's length: the paper's no-failure run reached its target in {PAPER_ITERATIONS:,.0f} "
+            f"iterations (419.6 h of redundant computation at 151.04 s), ours in {first['target_step']} steps, so one "
+            f"step here stands for {PAPER_ITERATIONS / first['target_step']:.1f} of its iterations: t_step = "
+            f"{a['step_s']:.0f} s, and failures fall as densely over the run to the target as in the paper's. The "
+            f"paper's checkpoint intervals of 10, 50 and 100 iterations become the steps they span here (at least one)"
+        )
+    else:
+        mapping = f"at the paper's t_iter = {T_ITER_S} s (500M), {scale}"
     failures_of = "the run's failures" if n_seeds == 1 else f"the failures of {n_seeds} seeds"
     over_seeds = "the seed" if n_seeds == 1 else f"the {n_seeds} seeds"
     per_iteration_16 = 6 * a["rate_scale"] * step_probability(RATES[-1], T_ITER_S)
     same_chance = "the same" if a["rate_scale"] == 1 else f"{a['rate_scale']} x the"
+    if a.get("paper_length"):
+        length_caveat = (
+            f"- Scaled to the run's length, each step here stands for {a['step_s'] / T_ITER_S:.0f} of the paper's "
+            "iterations of training, but a repaired stage still needs its own steps to recover: a failure costs "
+            "this run as many steps as it would cost a long one, so the scaling is harsh on every rebuilding rule.\n"
+            "- Several stages, neighbours included, can fail in one step (as in the authors' simulation); a stage "
+            "whose neighbours are both lost falls back to the next rule the plan allows (`shoal.train.repair`).\n"
+            f"- A save costs {T_SAVE_S:.0f} s here (the paper's overhead at its interval) however often it comes, so "
+            "checkpointing every step or two, which the paper's intervals become at this scale, is all but free in "
+            "this model; a real save of every stage that often would cost more."
+        )
+    else:
+        length_caveat = (
+            f"- The paper's runs are about 22,000 iterations; this one is {a['steps']}, with {same_chance} "
+            "per-iteration failure chance, so a failure here costs a larger share of the run and falls in a shorter "
+            "learning-rate schedule.\n"
+            "- Checkpointing every 100 steps at 16 %/h rarely gets 100 steps without a failure (six stages: about "
+            f"{per_iteration_16:.3f} failures per iteration), which is why its time explodes here; the paper's 634 h "
+            "at 16 % implies far fewer roll-backs than this per-stage mapping gives."
+        )
     ratio_header = (
         "| rate /h | CheckFree ÷ ckpt 10 | ÷ ckpt 50 | ÷ ckpt 100 | paper "
         "| CheckFree+ ÷ ckpt 10 | ÷ ckpt 50 | ÷ ckpt 100 | paper |"
@@ -820,7 +919,8 @@ def markdown(result: dict) -> str:
 
 `{result["command"]}` ({a["steps"]} steps, seeds {", ".join(str(x["seed"]) for x in seeds)}; {result["wall_s"]:.0f} s on
 one torch thread, 2 shared cores). The bundled `tiny` model with `n_layers` 6 cut into 7 stages (stage 0 =
-embedding and head, which never fails; six one-layer block stages), batch 8 x 64 tokens in 4 microbatches,
+embedding, final norm and head, held by the data nodes, which fails only where its table says; six one-layer
+block stages), batch 8 x 64 tokens in 4 microbatches,
 the tiny run's optimizer (AdamW, cosine schedule, per-stage clipping at 1.0){init}, data: {first["data"]}. One
 process, the project's stages, inner optimizers and repair rules; every strategy trains the same steps on
 the same batches from the same seed under the same failure schedule. A failure of stage s at step k wipes
@@ -857,23 +957,35 @@ no-failure run of its own kind.
 No failures, without / with swaps: final val loss {no_swaps}, steps to the target {no_swaps_steps}
 (paper: CheckFree+ slightly slower without failures).
 
+## Single wipes of stage 0
+
+Stage 0 (embedding, final norm, LM head: what a data node holds) at steps {a["steps"] // 4} and
+{3 * (a["steps"] // 4)}. Under CheckFree+ stages 1 and 6 keep a copy of it, refreshed every
+{result["run"]["repair"]["edge_copy_every"]} steps (`repair.edge_copy_every`; the paper copies E and E⁻¹ at
+every step), and the lost stage 0 comes back from the freshest copy (up to that many steps old); without
+it a data node that starts with nothing starts from fresh weights. Either way with a fresh AdamW at the
+schedule, as a new data node's, its step count going on. Each is compared with the no-failure run of its
+own kind; "skipping the stage" does not apply (no route leaves stage 0 out).
+
+{per_failure_table("stage0", stage0_labels)}
+
 ## Failure rates: modelled wall-clock to a target validation loss
 
-Failures per block stage per hour mapped onto iterations with p = 1 − (1 − p_h)^(t_iter/3600) at the paper's
-t_iter = {T_ITER_S} s (500M), {scale}; each of the six block stages draws independently
+Failures per block stage per hour mapped onto steps with p = 1 − (1 − p_h)^(t_step/3600), {mapping}; each of
+the six block stages draws independently
 in every iteration, seeded, and the same draws serve every strategy. Target: the no-failure run's validation
 loss at step {first["target_step"]} ({first["target_val_loss"]:.3f} for seed {first["seed"]}). Modelled time =
-iterations x {T_ITER_S} s + {T_RECOVER_S:.0f} s per iteration that lost a stage (the paper's recovery time) for
+steps x {a["step_s"]:.0f} s + {T_RECOVER_S:.0f} s per step that lost a stage (the paper's recovery time) for
 the rebuilding strategies; checkpointing = (steps to the target on the no-failure curve + replayed steps) x
-{T_ITER_S} s + {T_RELOAD_S:.0f} s per roll-back (assumed: every stage fetches its checkpoint at once) + {T_SAVE_S:.0f} s
-per save ((91.35 − 91.32) s x 100, the paper's overhead at its interval); redundant computation = the
-no-failure curve at {REDUNDANT_FACTOR:.2f} x t_iter (151.04 / 91.35 s).
+{a["step_s"]:.0f} s + {T_RELOAD_S:.0f} s per roll-back (assumed: every stage fetches its checkpoint at once) +
+{T_SAVE_S:.0f} s per save ((91.35 − 91.32) s x 100, the paper's overhead at its interval); redundant computation =
+the no-failure curve at {REDUNDANT_FACTOR:.2f} x t_step (151.04 / 91.35 s).
 
-| rate /h | p / iteration | failures in the run | strategy | final val loss | steps to target | modelled hours |
+| rate /h | p / step | failures in the run | strategy | final val loss | steps to target | modelled hours |
 |---|---|---|---|---|---|---|
 {chr(10).join(rate_rows)}
 
-Modelled time of CheckFree and CheckFree+ over checkpointing every 10 / 50 / 100 steps, beside the paper's
+Modelled time of CheckFree and CheckFree+ over checkpointing every 10 / 50 / 100 {interval_unit}, beside the paper's
 (500M, checkpoints every 100 iterations: 367.8 / 558.2 and 355.1 / 558.2 h at 5 %):
 
 {ratio_header}
@@ -897,11 +1009,7 @@ validation loss across the repair):
 - Gradient norms (seed {first["seed"]}, no failures): median per stage {norms["median_by_stage"]} (stage 0 first);
   both neighbours of interior stages 2–5 at or above the clip (1.0), where clipped ω is exactly uniform, in
   {norms["share_of_steps_both_neighbours_clipped"]} of steps.
-- The paper's runs are about 22,000 iterations; this one is {a["steps"]}, with {same_chance} per-iteration failure
-  chance, so a failure here costs a larger share of the run and falls in a shorter learning-rate schedule.
-- Checkpointing every 100 steps at 16 %/h rarely gets 100 steps without a failure (six stages: about
-  {per_iteration_16:.3f} failures per iteration), which is why its time explodes here; the paper's 634 h at 16 %
-  implies far fewer roll-backs than this per-stage mapping gives.
+{length_caveat}
 """
 
 
@@ -912,6 +1020,11 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target-at", type=float, default=0.6, help="target = no-failure val loss at this share")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiplies the per-iteration failure chance")
+    parser.add_argument(
+        "--paper-length",
+        action="store_true",
+        help="one step stands for (the paper's no-failure iterations to its target) / (ours) of its iterations",
+    )
     parser.add_argument(
         "--rate-baselines",
         nargs="*",
@@ -934,6 +1047,8 @@ def main() -> int:
         return 0
     if args.quick:
         args.steps, args.eval_every, args.rate_scale, args.replay_steps, args.smooth = 24, 6, 10.0, 20, 4
+    target_step = round(args.target_at * args.steps / args.eval_every) * args.eval_every
+    args.step_s = T_ITER_S * (PAPER_ITERATIONS / target_step if args.paper_length else 1.0)
     torch.set_num_threads(1)
     started = time.monotonic()
     seeds = [run_seed(args, seed) for seed in args.seeds]
@@ -944,6 +1059,8 @@ def main() -> int:
         "run": json.loads(bench_run(args.steps, args.seeds[0], args.setting).to_json()),
         "constants": {
             "t_iter_s": T_ITER_S,
+            "step_s": args.step_s,
+            "paper_iterations": PAPER_ITERATIONS,
             "t_recover_s": T_RECOVER_S,
             "t_reload_s": T_RELOAD_S,
             "t_save_s": T_SAVE_S,
