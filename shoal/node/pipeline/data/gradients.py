@@ -5,9 +5,10 @@ At step t a data node pairs with another data node as NoLoCo pairs replicas (a p
 run, stage 0 and t: with two data nodes, always each other), and the two swap their gradients over
 `rpc_gradient_share`: the lower id calls, the other answers whoever asks first. Both step on the same
 mean. A data node with no partner in time, or whose partner's gradients are refused, steps on its own
-and never waits on the swarm longer than the run's exchange timeout. Stage 0's weights are still
-averaged every `stage0_resync_every` steps by the node's averager, which brings back together replicas
-that a missed exchange, or a join, set apart.
+and never waits on the swarm longer than the run's exchange timeout; one whose partner has passed its
+step (a joiner: the others stepped on while it copied stage 0 and AdamW's moments) steps alone at once
+until it catches up. Stage 0's weights are still averaged every `stage0_resync_every` steps by the
+node's averager, which brings back together replicas that a missed exchange, or a join, set apart.
 """
 
 from __future__ import annotations
