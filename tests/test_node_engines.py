@@ -137,7 +137,15 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
             state = await driver.state_dict()
             await resumed.load_state_dict(state)
             assert resumed.first_step == 1 and resumed.progress().inner_step == 1
-            assert set(driver.handlers()) == {"forward", "backward", "fetch_output", "abandon", "copy_stage", "gossip"}
+            assert set(driver.handlers()) == {
+                "forward",
+                "backward",
+                "fetch_output",
+                "abandon",
+                "copy_stage",
+                "gossip",
+                "gradient_share",
+            }
             assert await driver.join_by_copy() is None  # no other data node in its view: nothing to copy
         finally:
             await driver.stop()
