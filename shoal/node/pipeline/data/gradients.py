@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
 
 import torch
 
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.net.transport import FramedStream, open_call, read_reply
+from shoal.node.stage.copy import StageHolder
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GradientShare
 from shoal.protocol.tensors import TensorSpec
@@ -40,14 +40,8 @@ class Behind(Exception):
     """Our partner has passed the step we are at: we step alone until we catch up, without waiting."""
 
 
-class Stage0Holder(Protocol):
-    module: torch.nn.Module
-
-    async def compute(self, fn: Any, *args: Any, priority: int = ...) -> Any: ...
-
-
 class GradientExchange:
-    def __init__(self, ctx: NodeContext, holder: Stage0Holder):
+    def __init__(self, ctx: NodeContext, holder: StageHolder):
         averaging, self.ctx, self.holder = ctx.run.averaging, ctx, holder
         self.timeout_s = averaging.exchange_timeout_s
         self.codec = OuterCodec("int8" if averaging.codec == "topk" else averaging.codec)
