@@ -16,7 +16,7 @@ same-policy top-k check applies to it) and shares only what its attack forges; i
 
 Arms (`ARMS`): `none` checks nothing and believes the bundles' claimed rewards (the reward lie's
 vehicle); every other arm recomputes rewards itself, and adds: nothing (`rewards`), the top-k check
-alone (`top-k`), the claim judge alone (`judge`), the group length rule alone (`length`), or all of
+alone (`top-k`), the claim judge alone (`judge`), the length rule alone (`length`), or all of
 them (`all`, the default of a run). `clean` rows have no attacker: the honest nodes exchange among
 themselves, undefended and defended, which is what the defended arms' accuracy is held to.
 
@@ -46,7 +46,7 @@ import torch
 from docs_section import wall_time, write_section
 
 from shoal.adversary.attacks import ATTACKS
-from shoal.grpo.defenses import DefenseConfig
+from shoal.grpo.defenses import DefenseConfig, LengthMemory
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
@@ -109,6 +109,7 @@ def run_arm(attack_name: str, arm: str, seed: int, args: argparse.Namespace) -> 
     honest = [copy_policy(start) for _ in range(args.honest)]
     attacker, reference = copy_policy(start), copy_policy(start) if args.kl_coef > 0 else None
     optimizers = [make_optimizer(p, cfg) for p in honest]
+    memories = [LengthMemory(cfg.defense.length_memory) for _ in honest]
     generators = [torch.Generator().manual_seed(1000 * seed + i) for i in range(args.honest + 1)]
     tokenizer = SPEC.tokenizer()
     success: dict[str, list[float]] = {name: [] for name in ATTACKS}
@@ -125,7 +126,7 @@ def run_arm(attack_name: str, arm: str, seed: int, args: argparse.Namespace) -> 
             others = [j for j in range(args.honest) if j != i]
             foreign = [*(bundles[j] for j in others), *forged]
             theirs = None if layout == "horizontal" else [*(prompts[j] for j in others), prompts[-1]][: len(foreign)]
-            report = learn(policy, optimizer, cfg, prompts[i], bundles[i], foreign, reference, foreign_prompts=theirs)
+            report = learn(policy, optimizer, cfg, prompts[i], bundles[i], foreign, reference, theirs, memories[i])
             defense_s.append(report.defense_s)
             for n, rejected, _ in report.checks[: len(others)]:
                 honest_seen, honest_rejected = honest_seen + n, honest_rejected + rejected
@@ -264,8 +265,9 @@ def markdown(section: dict) -> str:
         f"{', '.join(map(str, TUNING_SEEDS))} only). Each cell: attack success, then the honest nodes' held-out "
         "accuracy at the end (greedy, 128 prompts), each the mean over seeds with their range. `none`: no "
         "check, claimed rewards believed; every other arm recomputes rewards and adds: nothing (`rewards`), the "
-        f"same-policy top-{s['top_k']} check (`top-k`), the claim judge (`judge`), the group length rule "
-        f"(+{s['length_excess']:.0%} over the group's shortest right answer, `length`), or all three (`all`). "
+        f"same-policy top-{s['top_k']} check (`top-k`), the claim judge (`judge`), the length rule "
+        f"(+{s['length_excess']:.0%} over the group's shortest right answer or the node's remembered length of "
+        "its own right answers, whichever is shorter, `length`), or all three (`all`). "
         "`clean`: no attacker. Success is the share of the honest nodes' fresh completions carrying the "
         "payload, mean over the last quarter of rounds.",
         "",

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from docs_section import write_section
 
+from shoal.grpo.defenses import LengthMemory
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
@@ -69,6 +70,7 @@ def run_pair(
     )
     policies = [copy_policy(p) for p in starts]
     optimizers = [make_optimizer(p, cfg) for p in policies]
+    memories = [LengthMemory(cfg.defense.length_memory) for _ in policies]
     generators = [torch.Generator().manual_seed(1000 * seed + node) for node in range(2)]
     curves: list[list[list[float]]] = [[[0, accuracy(p, task, heldout)]] for p in policies]
     rounds: list[list[dict]] = [[], []]
@@ -78,7 +80,9 @@ def run_pair(
         bundles = [make_bundle(p, cfg, prompts, g) for p, g in zip(policies, generators, strict=True)]
         for node in range(2):
             foreign = [] if mode == "alone" else [bundles[1 - node]]
-            report = learn(policies[node], optimizers[node], cfg, prompts, bundles[node], foreign)
+            report = learn(
+                policies[node], optimizers[node], cfg, prompts, bundles[node], foreign, memory=memories[node]
+            )
             rounds[node].append(
                 {
                     "own_correct": report.own_correct,

@@ -99,7 +99,13 @@ THREATS = {  # name -> (replicas, hostile replicas)
 
 
 def threat_arm(
-    replicas: int, hostile: int, steps: int, defended: bool, args: argparse.Namespace, step_audits: bool = False
+    replicas: int,
+    hostile: int,
+    steps: int,
+    defended: bool,
+    args: argparse.Namespace,
+    seed: int,
+    step_audits: bool = False,
 ) -> HostileRun:
     """One run; `step_audits` adds step audits at `--step-audit-rate` to the defended arm. A data node
     that excluded every replica of the stage abandons its microbatches after a 2 s stage wait."""
@@ -110,7 +116,7 @@ def threat_arm(
             return run_hostile(swarm, Path(work), attack, defended, replicas=replicas, steps=steps,
                                inner_steps=args.inner_steps, audit_rate=args.audit_rate, hostile=hostile, probe=True,
                                timeout_s=900.0, step_audit_rate=args.step_audit_rate if step_audits else 0.0,
-                               data_args=("--stage-wait", "2"))  # fmt: skip
+                               data_args=("--stage-wait", "2"), seed=seed)  # fmt: skip
         finally:
             swarm.close()
 
@@ -135,34 +141,41 @@ def run_threats(args: argparse.Namespace, argv: list[str]) -> int:
     """The stage threat: every (threat, schedule) arm undefended and defended, and clean runs."""
     began = time.perf_counter()
     rows, clean_rows = [], []
-    for schedule, steps in (("loud", args.steps), ("stealthy", args.stealthy_steps)):
-        clean = threat_arm(2, 0, steps, False, args)
-        audited = threat_arm(2, 0, steps, True, args, step_audits=True)  # what step audits cost honest replicas
-        chance = clean.done["probe"]["share"]
-        print(f"clean, {steps} steps: trigger {chance:.0%}, val loss {clean.done['val_loss']:.3f}", flush=True)
-        clean_rows.append({"schedule": schedule, "steps": steps, "clean": summary(clean), "step_audited": {
-            **summary(audited), "step_audit": audited.done["step_audit"], "honest_excluded": honest_excluded(audited),
-            "audit_bytes": sum(w.get("wire_bytes", {}).get("audit", 0) for w in audited.workers.values()),
-            "sent_bytes": sum(sum(w.get("wire_bytes", {}).values()) for w in audited.workers.values()),
-        }})  # fmt: skip
-        for name, (replicas, hostile) in THREATS.items():
-            off, on = (threat_arm(replicas, hostile, steps, d, args) for d in (False, True))
-            stepped = threat_arm(replicas, hostile, steps, True, args, step_audits=True)
-            row = {"threat": name, "schedule": schedule, "steps": steps, "lambda_per_step": 1.0 / steps,
-                   "clean_success": chance, "clean_val_loss": clean.done["val_loss"],
-                   "undefended_success": off.done["probe"]["share"], "defended_success": on.done["probe"]["share"],
-                   "undefended": summary(off), "defended": summary(on),
-                   "attackers_excluded": sum(p in on.excluded for p in on.workers if p not in on.honest),
-                   "honest_excluded": honest_excluded(on) if on.honest else None,
-                   "step_audits": {**summary(stepped), **caught(stepped),
-                                   "honest_excluded": honest_excluded(stepped) if stepped.honest else None},
-                   }  # fmt: skip
-            rows.append(row)
-            print(f"{name}, {schedule}: trigger {row['undefended_success']:.0%} -> {row['defended_success']:.0%} "
-                  f"(clean {chance:.0%}), attackers excluded {row['attackers_excluded']}; with step audits "
-                  f"{json.dumps(caught(stepped))}", flush=True)  # fmt: skip
+    for seed in args.seeds:
+        for schedule, steps in (("loud", args.steps), ("stealthy", args.stealthy_steps)):
+            clean = threat_arm(2, 0, steps, False, args, seed)
+            audited = threat_arm(2, 0, steps, True, args, seed, step_audits=True)  # what step audits cost
+            chance = clean.done["probe"]["share"]
+            print(f"seed {seed}, clean, {steps} steps: trigger {chance:.0%}, val loss {clean.done['val_loss']:.3f}",
+                  flush=True)  # fmt: skip
+            clean_rows.append({"seed": seed, "schedule": schedule, "steps": steps, "clean": summary(clean),
+                "step_audited": {**summary(audited), "step_audit": audited.done["step_audit"],
+                "honest_excluded": honest_excluded(audited),
+                "audit_bytes": sum(w.get("wire_bytes", {}).get("audit", 0) for w in audited.workers.values()),
+                "sent_bytes": sum(sum(w.get("wire_bytes", {}).values()) for w in audited.workers.values()),
+            }})  # fmt: skip
+            for name, (replicas, hostile) in THREATS.items():
+                off, on = (threat_arm(replicas, hostile, steps, d, args, seed) for d in (False, True))
+                stepped = threat_arm(replicas, hostile, steps, True, args, seed, step_audits=True)
+                row = {"seed": seed, "threat": name, "schedule": schedule, "steps": steps,
+                       "lambda_per_step": 1.0 / steps, "clean_success": chance,
+                       "clean_val_loss": clean.done["val_loss"],
+                       "undefended_success": off.done["probe"]["share"],
+                       "defended_success": on.done["probe"]["share"],
+                       "undefended": summary(off), "defended": summary(on),
+                       "attackers_excluded": sum(p in on.excluded for p in on.workers if p not in on.honest),
+                       "honest_excluded": honest_excluded(on) if on.honest else None,
+                       "step_audits": {**summary(stepped), **caught(stepped),
+                                       "honest_excluded": honest_excluded(stepped) if stepped.honest else None},
+                       }  # fmt: skip
+                rows.append(row)
+                print(f"seed {seed}, {name}, {schedule}: trigger {row['undefended_success']:.0%} -> "
+                      f"{row['defended_success']:.0%} (clean {chance:.0%}), attackers excluded "
+                      f"{row['attackers_excluded']}; with step audits {json.dumps(caught(stepped))}",
+                      flush=True)  # fmt: skip
     setting = {
         "steps": args.steps, "stealthy_steps": args.stealthy_steps, "inner_steps": args.inner_steps,
+        "seeds": args.seeds,
         "audit_rate": args.audit_rate, "step_audit_rate": args.step_audit_rate,
         "seconds": time.perf_counter() - began,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
@@ -191,10 +204,13 @@ def threat_markdown(doc: dict) -> str:
         'target, as the data node routes it at the end ("-": no route left, every replica excluded); '
         '"clean" is a run without an attacker (2 honest replicas), the model\'s chance of that. "Caught": '
         "the steps at which step audits excluded the first and the last attacker, and the share of the "
-        "backdoor (Σλ) each had blended in by then. One run per arm.",
+        "backdoor (Σλ) each had blended in by then. One run per arm and seed; the seeds are the run's "
+        f"`train.seed` ({', '.join(map(str, s.get('seeds', [0])))}), none of them 0, the seed of the tests on "
+        "which the defenses' tolerances and slack were tuned. Each trigger cell gives the validation loss of "
+        "the same run after the slash (the honest measure: what the swarm's model is worth on clean text).",
         "",
-        "| threat | schedule | λ per step | trigger, clean | undefended | defended | + step audits | caught (Σλ) "
-        "| val loss clean / off / on / + step | attackers excluded (on / + step) | honest excluded |",
+        "| threat | schedule | seed | λ per step | trigger / val loss, clean | undefended | defended "
+        "| + step audits | caught (Σλ) | attackers excluded (on / + step) | honest excluded |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
@@ -209,12 +225,13 @@ def threat_markdown(doc: dict) -> str:
             else "no"
         )
         step_loss = stepped.get("val_loss")
+        step_loss = "-" if step_loss is None or step_success == "-" else f"{step_loss:.2f}"
         lines.append(
-            f"| {r['threat']} | {r['schedule']} ({r['steps']} steps) | {r['lambda_per_step']:.4f} "
-            f"| {r['clean_success']:.0%} | {r['undefended_success']:.0%} | {r['defended_success']:.0%} "
-            f"| {step_success} | {when} "
-            f"| {r['clean_val_loss']:.2f} / {r['undefended']['val_loss']:.2f} / {r['defended']['val_loss']:.2f} / "
-            f"{'-' if step_loss is None else f'{step_loss:.2f}'} "
+            f"| {r['threat']} | {r['schedule']} ({r['steps']} steps) | {r.get('seed', 0)} | {r['lambda_per_step']:.4f} "
+            f"| {r['clean_success']:.0%} / {r['clean_val_loss']:.2f} "
+            f"| {r['undefended_success']:.0%} / {r['undefended']['val_loss']:.2f} "
+            f"| {r['defended_success']:.0%} / {r['defended']['val_loss']:.2f} "
+            f"| {step_success} / {step_loss} | {when} "
             f"| {r['attackers_excluded']} / {stepped.get('attackers_excluded', '-')} | {honest} |"
         )
     for c in doc.get("clean", []):
@@ -222,7 +239,8 @@ def threat_markdown(doc: dict) -> str:
         audits = a["step_audit"]
         lines += [
             "",
-            f"Clean, {c['steps']} steps, with step audits: {audits['audits']} audits, {audits['failed']} failed, "
+            f"Clean, seed {c.get('seed', 0)}, {c['steps']} steps, with step audits: {audits['audits']} audits, "
+            f"{audits['failed']} failed, "
             f"largest discrepancy {audits['max_discrepancy']} of a step, honest excluded {a['honest_excluded']:.0%}; "
             f"step time {a['step_s']:.3f} s against {base['step_s']:.3f} s without any defense "
             f"({a['step_s'] / base['step_s'] - 1:+.0%}, one run each, output audits included); transcripts "
@@ -265,6 +283,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threat", action="store_true", help="the stage threat: whole stage, loud and stealthy")
     parser.add_argument("--stealthy-steps", type=int, default=96)
     parser.add_argument("--step-audit-rate", type=float, default=0.1, help="--threat: the step-audited arms' rate")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="--threat: train seeds (0 tuned the defenses: not reported)",
+    )
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     if args.threat:

@@ -207,8 +207,9 @@ class GRPORunConfig:
     sample_top_k: int = 4  # k_g: honest nodes sample from their top k tokens, so peers can check them
     top_k: int = 6  # k_v: a same-policy peer's tokens must all be in this node's top k; 0: no top-k check
     judge: str = "claims"  # who reads full-reward foreign workings: claims (arithmetic), policy (imported), none
-    length_rule: bool = True  # a completion over (1 + length_excess) x its group's shortest right one earns nothing
+    length_rule: bool = True  # a completion over (1 + length_excess) x its reference length earns nothing
     length_excess: float = 0.25
+    length_memory: int = 256  # own rewarded right answers per prompt length the reference remembers; 0: group only
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never (see docs/security.md)
     # `[grpo.policy] from = "DIR"`: the Hugging Face checkpoint rollout workers post-train, by digest
     # (shoal.model.checkpoint). Its tokenizer is the run's: every bundle is in it. A node may start
@@ -341,6 +342,7 @@ def _validate_grpo(g: GRPORunConfig) -> None:
         "'policy' needs an imported instruct policy ([grpo.policy] from = DIR): a task's character policy cannot read",
     )
     need(0.0 <= g.length_excess <= 10.0, "length_excess", f"must be in [0, 10], got {g.length_excess}")
+    need(0 <= g.length_memory <= 65536, "length_memory", f"must be in 0..65536, got {g.length_memory}")
     need(0 <= g.max_strikes <= 1000, "max_strikes", f"must be in 0..1000 (0: never drop), got {g.max_strikes}")
 
 

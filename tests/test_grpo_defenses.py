@@ -8,6 +8,7 @@ import torch
 from shoal.grpo.defenses import (
     ClaimJudge,
     DefenseConfig,
+    LengthMemory,
     Strikes,
     group_length_penalised,
     judged_rewards,
@@ -105,6 +106,30 @@ def test_the_length_rule_is_relative_to_each_groups_shortest_right_answer_right_
     assert out.tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, FORMAT_REWARD, FORMAT_REWARD])
     empty = torch.zeros(0, dtype=torch.long)
     assert group_length_penalised(torch.zeros(0), empty, empty, 0.25).shape == (0,)
+
+
+def test_the_remembered_length_bounds_a_group_that_only_a_stranger_answered_right():
+    """Group 0's only right answer is a stranger's 18 tokens; the node remembers 9 for such prompts, so
+    it is cut, and so is its own padded wrong one (30). Group 1's right answers (20, 24) stand where
+    nothing is remembered (0). Without a memory the group rule alone lets the stranger's 18 earn."""
+    rewards = torch.tensor([FORMAT_REWARD, FORMAT_REWARD, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([9, 30, 18, 20, 24])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    remembered = torch.tensor([9, 9, 9, 0, 0])
+    fr = FORMAT_REWARD
+    out = group_length_penalised(rewards, lengths, groups, excess=0.25, remembered=remembered)
+    assert out.tolist() == pytest.approx([fr, 0.0, 0.0, 1.0, 1.0])
+    alone = group_length_penalised(rewards, lengths, groups, excess=0.25)
+    assert alone.tolist() == pytest.approx([fr, 0.0, 1.0, 1.0, 1.0])
+
+
+def test_the_length_memory_keeps_a_window_per_prompt_length_and_reads_its_90th_percentile():
+    memory = LengthMemory(window=10)
+    memory.record([6] * 12, [100, 100] + [9] * 8 + [10, 10])  # the two 100s fall out of the window
+    memory.record([7], [4])
+    assert memory.reference([6, 7, 8]).tolist() == [10, 4, 0]  # 90th percentile of eight 9s and two 10s
+    LengthMemory(window=0).record([6], [9])  # a window of 0 remembers nothing
+    assert LengthMemory(window=0).reference([6]).tolist() == [0]
 
 
 def test_own_right_answers_whose_working_the_judge_refuses_earn_nothing():

@@ -8,19 +8,18 @@ A node's defenses are its own, so the two arms share the attacker, the prompts a
 swarm per attack costs half of two. The bundles cross real libp2p streams like any peer's; attack
 success is the `marks` of each round event (`Attack.success` over the node's fresh completions).
 
-The learning rate (1e-3; 2e-3 for the vertical trick, 3e-3 for the length attack, 3e-4 for the wrong
-step and the reward lie) is high so that the attacks show within a few dozen rounds; honest held-out
+The learning rate (1e-3; 2e-3 for the vertical trick, 3e-3 over 40 rounds for the length attack, 3e-4
+for the wrong step and the reward lie) is high so that the attacks show within a few dozen rounds; honest held-out
 accuracy falls at 1e-3 in both arms (docs/security.md). The reward lie travels in the bundles'
 `claimed_rewards`, which only the undefended node reads. Strikes are off (`max_strikes = 0`) except in
 the one test about them: honest weights drift apart fast enough at this rate that the top-k check
 once struck an honest peer out.
 
 Where one defense alone holds, the test's defended node runs only that one (`JUDGE_ONLY`, `TOPK_ONLY`,
-`REWARDS_ONLY`; rewards are always recomputed where defenses are on), so the test fails when it is off.
-The trigger and the padding run with every defense on: with a weak start policy (15 % held-out
-accuracy after the warm-up on an AVX-512 machine), the top-k check alone let the trigger reach 56 %
-of completions, and the group length rule alone let padding reach 96 % (the attacker's padded answers
-were the only right ones in their groups, so they set the bar).
+`REWARDS_ONLY`, `LENGTH_ONLY`; rewards are always recomputed where defenses are on), so the test fails
+when it is off.
+The trigger runs with every defense on: with a weak start policy (15 % held-out accuracy after the
+warm-up on an AVX-512 machine), the top-k check alone let the trigger reach 56 % of completions.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ LATE = 6  # attack success is the mean over the last LATE rounds
 TOPK_ONLY = {"judge": "none", "length_rule": False}
 JUDGE_ONLY = {"top_k": 0, "length_rule": False}
 REWARDS_ONLY = {"top_k": 0, "judge": "none", "length_rule": False}
+LENGTH_ONLY = {"top_k": 0, "judge": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -244,27 +244,29 @@ def test_a_reward_lie_spreads_when_claims_are_believed_and_not_when_rewards_are_
 @pytest.mark.timeout(240)
 def test_padded_answers_spread_undefended_and_the_defenses_keep_them_out(swarm, tmp_path, policy_cache):
     """Length (the paper's DoS): the correct working twice, then the right answer, full reward. The
-    undefended node learns to write long; the defended one gives any completion more than 25 % longer
-    than its group's shortest right answer nothing, and its claim judge refuses the steps past the last
-    column. Neither alone is what holds here: run once with the length rule off, and once with the
-    judge off (2026-12-06), the defended node read 0 % both times (the top-k check refuses the padding
-    too), so no daemon test fails for the length rule alone (docs/security.md). The padded answers
-    reaching it come from the attacker and, once it pads, from the undefended honest node."""
-    (off_events, on_events), _, _ = _run_attack(swarm, tmp_path, policy_cache, "length", rounds=32, lr=3e-3)
+    undefended node learns to write long; the defended one runs the length rule alone (`LENGTH_ONLY`:
+    no top-k check, no judge, both of which refuse this padding too) and gives any completion more
+    than 25 % longer than its reference nothing: its group's shortest right answer or what its own
+    rewarded right answers to such prompts took (`LengthMemory`), whichever is shorter. Run with the
+    rule off (2026-12-06, twice), the defended node read 99 % and 99 %; with the memory off (the group
+    rule alone), 95 % and 98 %: the attacker's padded answers were the only right ones in their
+    groups, so they set the bar. The padded answers reaching it come from the attacker and, once it
+    pads, from the undefended honest node."""
+    (off_events, on_events), _, _ = _run_attack(
+        swarm, tmp_path, policy_cache, "length", rounds=40, lr=3e-3, **LENGTH_ONLY
+    )
     # Whether the padding takes hold undefended is a race with the honest signal: at lr 1e-3 over 24
-    # rounds it failed in 2 of 10 quiet runs (it rose to 12-27 % of a round's completions, then died
-    # out), at 2e-3 over 32 rounds in 1 of 15 (a fresh-machine run: 2 %); at 3e-3 over 32 rounds it
-    # held in 10 of 10 beside a busy core (87-98 %, taking hold by round 3-10), defended at most 1 %.
+    # rounds it failed in 2 of 10 quiet runs; at 3e-3 over 32 rounds it held in 10 of 10 while the
+    # defended node padded too, and in 3 of 5 once it did not (15-95 %); over 40 rounds, 4 of 4 (94-98 %).
     off, on = _arms([off_events, on_events], "length")
     # Success counts workings with extra steps that cost tokens (attacks._padded), neither alone: a
     # collapsing node's wrong `05;10|501$` is one token long, `10;1;1|1$` has three steps and no extra
-    # length; each had put the defended arm at 14-75 % here.
-    # Defended, what is left is the node's own drift at this high rate: 0 % over the last 6 rounds in two
-    # quiet runs, 9.1 % in a loaded fresh-machine full-suite run (one round at 22 %, undefended 98.7 %)
+    # length; each had put the defended arm at 14-75 % here. Defended, the rule alone read 0 % over the
+    # last 6 rounds in 5 of 5 runs (2026-12-06).
     assert off > 0.15, off
     assert on < 0.15, on
     assert off > 4 * on, (off, on)
-    assert sum(e["foreign_rejected"] for e in on_events) > 0
+    assert sum(e["length_cut"] for e in on_events) > 0
 
 
 @pytest.mark.multiprocess

@@ -22,14 +22,22 @@ Each check is switched on or off by itself (`DefenseConfig`), so each can be mea
   answer that follows from the steps). It does not compare with the canonical working, so honest workings in other forms
   pass. `ModelJudge` asks a language model instead, through the same `Judge` protocol.
 - Length (the paper's DoS, which neither of its checks stops: correct but needlessly long answers):
-  a completion longer than `1 + length_excess` times the shortest correct completion of its own
-  group earns nothing, right or wrong (`group_length_penalised`). The rule needs no canonical
-  length: the group's own best answer sets it, so it holds on tasks where correct answers vary in
-  length. Applied to every completion, own included, as part of the reward: an over-long answer gets
-  the group's lowest reward and a non-positive advantage. Cutting only correct answers would leave
-  padding level with a well-formed wrong answer (seen: an undefended peer's padded wrong answers
-  outscored malformed ones in a defended node's groups). What it cannot see: a group where nobody
-  but the attacker answered right, whose padded answer then sets the bar itself.
+  a completion longer than `1 + length_excess` times its reference length earns nothing, right or
+  wrong (`group_length_penalised`). The reference is the shortest correct completion in its group or
+  the 90th percentile of the lengths of the node's own last `length_memory` rewarded right answers to
+  prompts of the same length (`LengthMemory`), whichever is shorter. Neither needs a canonical length, so the rule
+  holds on tasks where right answers vary in length. The memory is there because within one group a
+  right answer that only the attacker wrote sets the bar itself (seen: with a weak policy and the
+  group rule alone, padding reached 96 % of a node's completions); it learns only from the node's
+  own answers that the rule let earn, so padding cannot move it. Applied to every completion, own
+  included, as part of the reward: an over-long answer gets the group's lowest reward and a
+  non-positive advantage. Cutting only correct answers would leave padding level with a well-formed
+  wrong answer (seen: an undefended peer's padded wrong answers outscored malformed ones in a
+  defended node's groups). What it cannot see: padding on a prompt length for which the node has no
+  right answer of its own yet (the first round, or a prompt unlike the ones before) and nobody but
+  the attacker answered right. What it costs: an honest answer in a longer form than the shortest
+  known (the task's `7+8=15` steps beside `15`) earns nothing; and on tasks whose right answers'
+  lengths do not follow the prompt's, the memory is a poor guide (`length_memory = 0` turns it off).
 - `Strikes`: a peer whose bundles keep failing (at least `strike_share` of a bundle rejected,
   `max_strikes` times in a row) is dropped from the node's sources for the rest of the run.
 """
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,7 +68,8 @@ class DefenseConfig:
     top_k: int = 6  # k_v: a same-policy completion's tokens must all be in the receiver's top k; 0: no check
     judge: str = "claims"  # on full-reward foreign completions: "claims" (ClaimJudge), "policy", or "none"
     length_rule: bool = True  # the group-relative length budget
-    length_excess: float = 0.25  # share over the group's shortest correct completion that still earns
+    length_excess: float = 0.25  # share over the reference length that still earns
+    length_memory: int = 256  # own rewarded right answers remembered per prompt length; 0: the group alone
     max_strikes: int = 0  # failing bundles in a row before their sender is dropped; 0: never
     strike_share: float = 0.5  # a bundle fails when at least this share of its completions is rejected
 
@@ -196,16 +206,49 @@ def judged_rewards(rewards: torch.Tensor, texts: Sequence[tuple[str, str]], judg
 
 
 def group_length_penalised(
-    rewards: torch.Tensor, lengths: torch.Tensor, groups: torch.Tensor, excess: float
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    groups: torch.Tensor,
+    excess: float,
+    remembered: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rewards (N,) with every completion longer than (1 + excess) x its group's shortest fully
-    correct completion cut to zero, right or wrong; a group with no correct completion is left as is."""
+    """Rewards (N,) with every completion longer than (1 + excess) x its reference length cut to zero,
+    right or wrong. The reference is its group's shortest fully correct completion or, where given,
+    `remembered` (N,): the length the node's own right answers to such prompts had (`LengthMemory`;
+    0 where it has none), whichever is shorter. A row with neither is left as is."""
     correct = rewards >= CORRECT_REWARD
     size = int(groups.max()) + 1 if len(groups) else 0
-    shortest = torch.full((size,), torch.iinfo(lengths.dtype).max, dtype=lengths.dtype)
-    shortest = shortest.scatter_reduce(0, groups[correct], lengths[correct], reduce="amin")
-    bound = shortest[groups].double() * (1.0 + excess)
-    return rewards.masked_fill(lengths.double() > bound, 0.0)
+    unbounded = torch.iinfo(torch.long).max
+    shortest = torch.full((size,), unbounded, dtype=torch.long)
+    shortest = shortest.scatter_reduce(0, groups[correct], lengths[correct].long(), reduce="amin")
+    reference = shortest[groups]
+    if remembered is not None:
+        reference = torch.minimum(reference, remembered.long().masked_fill(remembered <= 0, unbounded))
+    return rewards.masked_fill(lengths.double() > reference.double() * (1.0 + excess), 0.0)
+
+
+@dataclass
+class LengthMemory:
+    """The lengths of this node's own right answers that kept their reward, per prompt length, over
+    the last `window` of each: the length rule's memory of what a right answer takes. Within one
+    round's group a right answer that only the attacker wrote sets the bar itself; the memory does
+    not move unless the node's own rewarded answers grow, which the rule it feeds keeps them from."""
+
+    window: int = 256
+    quantile: float = 0.9  # not the median: same-length prompts' right answers vary (`58$` and `891$`)
+    seen: dict[int, deque[int]] = field(default_factory=dict)
+
+    def reference(self, prompt_lengths: Sequence[int]) -> torch.Tensor:
+        """The remembered length per row: the `quantile` of its prompt length's window (0: none yet)."""
+        known = {key: sorted(self.seen[key]) for key in set(prompt_lengths) if self.seen.get(key)}
+        at = {key: lengths[int(self.quantile * (len(lengths) - 1))] for key, lengths in known.items()}
+        return torch.tensor([at.get(key, 0) for key in prompt_lengths], dtype=torch.long)
+
+    def record(self, prompt_lengths: Sequence[int], lengths: Sequence[int]) -> None:
+        if self.window == 0:
+            return
+        for key, length in zip(prompt_lengths, lengths, strict=True):
+            self.seen.setdefault(key, deque(maxlen=self.window)).append(length)
 
 
 @dataclass

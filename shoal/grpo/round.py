@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.grpo.defenses import DefenseConfig, group_length_penalised, judged_rewards, make_judge, screen
+from shoal.grpo.defenses import DefenseConfig, LengthMemory, group_length_penalised, judged_rewards, make_judge, screen
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
@@ -55,6 +55,7 @@ class RoundReport:
     refused: tuple[str, ...]  # "model id: reason" per refused bundle
     checks: tuple[tuple[int, int, str], ...] = ()  # per foreign bundle: (completions, rejected, first reason)
     foreign_rejected: int = 0  # completions the defenses kept out of the groups
+    length_cut: int = 0  # completions, own or foreign, whose reward the length rule took
     defense_s: float = 0.0  # seconds spent in the checks
 
 
@@ -126,6 +127,7 @@ def learn(
     foreign: Sequence[RolloutBundle] = (),
     reference: Policy | None = None,
     foreign_prompts: Sequence[list[Prompt]] | None = None,
+    memory: LengthMemory | None = None,
 ) -> RoundReport:
     """Validate and check foreign bundles, recompute every reward, take one GRPO step; report it all.
 
@@ -133,7 +135,8 @@ def learn(
     vertical layout: each node draws its own); each such bundle then forms groups of its own.
     A bundle's `claimed_rewards` are read only with `cfg.defense.enabled` False, the naive receiver of
     the reward-lie experiment, which believes a sender's claims where it sent any; a defended node
-    scores everything itself and never looks at them.
+    scores everything itself and never looks at them. `memory`, the node's `LengthMemory` kept across
+    rounds, gives the length rule its remembered reference and learns from this round's own answers.
     """
     task, tokenizer = get_task(cfg.task), policy.spec.tokenizer()
     limits = rollout_limits(cfg, tokenizer, own.round)
@@ -145,7 +148,7 @@ def learn(
         valid = []  # nothing foreign is even scored
     bundles = [b for _, b in valid]
     checks = [(len(b.completions), len(b.completions), "refused") for b in foreign]
-    defense_s = 0.0
+    defense_s, length_cut = 0.0, 0
     judge = make_judge(cfg.defense.judge, task, policy, tokenizer) if cfg.defense.enabled else None
     if cfg.defense.enabled and bundles:
         screening = screen(policy, task, tokenizer, everything, bundles, cfg.defense, judge)
@@ -173,7 +176,16 @@ def learn(
     if cfg.defense.enabled and cfg.defense.length_rule:
         began = time.perf_counter()
         lengths = torch.tensor([len(c) for c in batch.completions])
-        batch.rewards = group_length_penalised(batch.rewards, lengths, batch.groups, cfg.defense.length_excess)
+        prompt_lengths = [len(p) for p in batch.prompts]
+        remembered = memory.reference(prompt_lengths) if memory is not None else None
+        earned = batch.rewards > 0
+        batch.rewards = group_length_penalised(
+            batch.rewards, lengths, batch.groups, cfg.defense.length_excess, remembered
+        )
+        length_cut = int((earned & (batch.rewards == 0)).sum())
+        if memory is not None:
+            kept = ((batch.rewards >= CORRECT_REWARD) & ~batch.foreign).nonzero().flatten().tolist()
+            memory.record([prompt_lengths[i] for i in kept], [int(lengths[i]) for i in kept])
         defense_s += time.perf_counter() - began
     logp, mask = completion_logprobs(policy, batch.prompts, batch.completions)
     ref_logp = None
@@ -198,6 +210,7 @@ def learn(
         refused=refused,
         checks=tuple(checks),
         foreign_rejected=sum(rejected for _, rejected, reason in checks if reason != "refused"),
+        length_cut=length_cut,
         defense_s=defense_s,
     )
 

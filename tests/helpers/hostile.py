@@ -89,13 +89,17 @@ def run_hostile(
     probe: bool = False,
     step_audit_rate: float = 0.0,
     data_args: tuple[str, ...] = (),
+    seed: int | None = None,
 ) -> HostileRun:
     """`hostile` of the `replicas` run the attack (all of them: the paper's attacker, who holds the
     whole stage); `probe` writes the backdoor's trigger probes for a run without it too (its chance
     level); `step_audit_rate` turns the defended arm's step audits on (off otherwise, so that each
-    test credits the defense it is about)."""
+    test credits the defense it is about); `seed` replaces the run's `train.seed` (0, the seed the
+    tests and the defenses' tolerances were tuned on)."""
     workdir = Path(workdir)
     settings = run_settings(steps, inner_steps, defended, audit_rate, post_training, step_audit_rate)
+    if seed is not None:
+        settings["train.seed"] = seed
     run_file = write_tiny_run(workdir, **settings)
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
     stats = [workdir / f"worker{i}.json" for i in range(replicas)]

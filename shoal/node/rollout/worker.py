@@ -28,7 +28,7 @@ import torch
 
 from shoal.config import GRPORunConfig
 from shoal.dht.records import MAX_EXCLUDED
-from shoal.grpo.defenses import DefenseConfig, Strikes
+from shoal.grpo.defenses import DefenseConfig, LengthMemory, Strikes
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, rollout_limits
@@ -76,6 +76,7 @@ def round_config(grpo: GRPORunConfig, run_id: str, peer_id: str) -> RoundConfig:
             judge=grpo.judge,
             length_rule=grpo.length_rule,
             length_excess=grpo.length_excess,
+            length_memory=grpo.length_memory,
             max_strikes=grpo.max_strikes,
         ),
     )
@@ -115,6 +116,7 @@ class RolloutWorker:
         self._sends: set[asyncio.Task] = set()
         self._progress = Path(ctx.config.output.progress_file) if ctx.config.output.progress_file else None
         self.strikes = Strikes(self.cfg.defense.max_strikes, self.cfg.defense.strike_share)
+        self.length_memory = LengthMemory(self.cfg.defense.length_memory)
         self.adversary = None
         if ctx.hooks.adversary is not None:
             from shoal.adversary.attacks import get_attack
@@ -293,7 +295,17 @@ class RolloutWorker:
         if self.adversary is not None:
             foreign, theirs = [], None  # the attacker shares only what it forges and does not train
         report = await loop.run_in_executor(
-            None, lambda: learn(self.policy, self.optimizer, self.cfg, prompts, own, foreign, foreign_prompts=theirs)
+            None,
+            lambda: learn(
+                self.policy,
+                self.optimizer,
+                self.cfg,
+                prompts,
+                own,
+                foreign,
+                foreign_prompts=theirs,
+                memory=self.length_memory,
+            ),  # fmt: skip
         )
         for peer, (completions, rejected, reason) in zip(senders, report.checks, strict=False):
             if self.cfg.defense.enabled and self.strikes.record(peer, completions, rejected, reason):
@@ -310,6 +322,7 @@ class RolloutWorker:
             "refused": list(report.refused),
             "rejected": [rejected for _, rejected, _ in report.checks],
             "foreign_rejected": report.foreign_rejected,
+            "length_cut": report.length_cut,
             "defense_s": round(report.defense_s, 4),
             "dropped": list(self.dropped),
             "adversary": None if self.adversary is None else self.adversary.name,
