@@ -147,6 +147,19 @@ class RepairConfig:
 
 
 @dataclass(frozen=True)
+class SkipPipeConfig:
+    """How data nodes that send SkipPipe's partial paths (`shoal node --paths skippipe`) plan them
+    (papers/skippipe.md; shoal.planning.skippipe). The defaults are the authors' ICLR code's."""
+
+    # every data node plans the step's paths for all data nodes from the same inputs (the swarm as the
+    # DHT advertises it, seeded by run and step) and releases its own microbatches at the planned
+    # times, so their paths do not collide; false: each plans its own paths alone, as it comes
+    timetable: bool = True
+    max_jump: int = 3  # stages a path may jump past the highest it visited (ICLR code 3, arXiv 4; 0: no cap)
+    full_pass_every: int = 10  # every Nth step runs every microbatch through every stage (0: never)
+
+
+@dataclass(frozen=True)
 class PipelineDefenseConfig:
     """Defenses of a pipeline run against hostile stage replicas (docs/security.md), on by default.
 
@@ -229,6 +242,7 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     defense: PipelineDefenseConfig = field(default_factory=PipelineDefenseConfig)
+    skippipe: SkipPipeConfig = field(default_factory=SkipPipeConfig)
     grpo: GRPORunConfig | None = None  # present only in GRPO runs (so pipeline run ids stay as they were)
 
     @property
@@ -247,6 +261,8 @@ class RunConfig:
         data = self.to_dict()
         if self.defense == PipelineDefenseConfig():
             del data["defense"]
+        if self.skippipe == SkipPipeConfig():  # at its defaults: the run ids from before it existed
+            del data["skippipe"]
         del data["train"]["eval_every"]
         if self.pipeline.compute_dtype == "auto":  # each node's own device decides: as before it existed
             del data["pipeline"]["compute_dtype"]
@@ -442,6 +458,13 @@ def _validate(cfg: RunConfig) -> None:
         f"must be unclipped or clipped, got {r.weights_from!r}",
     )
     _validate_defense(cfg.defense)
+    k = cfg.skippipe
+    need(0 <= k.max_jump <= 1000, "skippipe.max_jump", f"must be in 0..1000 (0: no cap), got {k.max_jump}")
+    need(
+        0 <= k.full_pass_every <= 1_000_000,
+        "skippipe.full_pass_every",
+        f"must be in 0..1000000 (0: never), got {k.full_pass_every}",
+    )
     if cfg.grpo is not None:
         _validate_grpo(cfg.grpo)
 

@@ -29,6 +29,13 @@ def test_the_pipeline_defenses_are_on_by_default_and_leave_run_ids_as_they_were(
     assert off.run_id != TINY.run_id and parse_run_config(off.to_toml()) == off
 
 
+def test_skippipes_settings_default_to_the_authors_and_leave_run_ids_as_they_were():
+    assert (TINY.skippipe.timetable, TINY.skippipe.max_jump, TINY.skippipe.full_pass_every) == (True, 3, 10)
+    assert parse_run_config("[skippipe]\nmax_jump = 3\n").run_id == parse_run_config("").run_id
+    alone = TINY.replace({"skippipe.timetable": False})
+    assert alone.run_id != TINY.run_id and parse_run_config(alone.to_toml()) == alone
+
+
 def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
     every_step = TINY.replace({"train.eval_every": 1})
     assert every_step.run_id == TINY.run_id and parse_run_config(every_step.to_toml()) == every_step
@@ -59,6 +66,9 @@ def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
         ("[averaging]\nstage0 = 'sum'\n", "averaging.stage0"),
         ("[averaging]\nstage0_every = 0\n", "averaging.stage0_every"),
         ("[averaging]\nstage0_resync_every = 0\n", "averaging.stage0_resync_every"),
+        ("[skippipe]\nmax_jump = -1\n", "skippipe.max_jump"),
+        ("[skippipe]\nfull_pass_every = -2\n", "skippipe.full_pass_every"),
+        ("[skippipe]\ntimetable = 'yes'\n", "skippipe.timetable"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):

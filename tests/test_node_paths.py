@@ -32,8 +32,12 @@ def test_a_data_node_follows_skippipe_partial_paths(swarm, tmp_path):
     for worker in workers:
         assert swarm.stop(worker) == 0
     forwards = [json.loads(p.read_text())["engine"]["forwards"] for p in stats]
-    train, evaluation = steps * 4, 2 * 4  # microbatches: 4 per step; 2 validation batches of 4
-    assert sum(forwards) == 3 * train + 4 * evaluation  # a training path visits 3 of the 4 block stages
+    skipping, evaluation = (steps - 1) * 4, 2 * 4  # microbatches: 4 per step; 2 validation batches of 4
+    # a training path visits 3 of the 4 block stages, but the 10th step is SkipPipe's full pass
+    assert sum(forwards) == 3 * skipping + 4 * (4 + evaluation)
     assert max(forwards) - min(forwards) <= 2  # and every stage sees the same share
-    losses = [e["loss"] for e in progress_events(progress) if e["event"] == "step"]
+    events = [e for e in progress_events(progress) if e["event"] == "step"]
+    assert [e["full_pass"] for e in events] == [False] * 9 + [True]
+    assert all(e["plan"] for e in events[:9])  # each skipping step followed the shared timetable
+    losses = [e["loss"] for e in events]
     assert losses[-1] < losses[0]

@@ -257,12 +257,12 @@ def test_padded_answers_spread_undefended_and_the_defenses_keep_them_out(swarm, 
     )
     # Whether the padding takes hold undefended is a race with the honest signal: at lr 1e-3 over 24
     # rounds it failed in 2 of 10 quiet runs; at 3e-3 over 32 rounds it held in 10 of 10 while the
-    # defended node padded too, and in 3 of 5 once it did not (15-95 %); over 40 rounds, 4 of 4 (94-98 %).
+    # defended node padded too, and in 3 of 4 once it did not (15-95 %); over 40 rounds, 4 of 4 (94-98 %).
     off, on = _arms([off_events, on_events], "length")
     # Success counts workings with extra steps that cost tokens (attacks._padded), neither alone: a
     # collapsing node's wrong `05;10|501$` is one token long, `10;1;1|1$` has three steps and no extra
     # length; each had put the defended arm at 14-75 % here. Defended, the rule alone read 0 % over the
-    # last 6 rounds in 5 of 5 runs (2026-12-06).
+    # last 6 rounds in 8 of 8 runs (2026-12-06: 4 of 32 rounds, 4 of 40).
     assert off > 0.15, off
     assert on < 0.15, on
     assert off > 4 * on, (off, on)

@@ -6,6 +6,10 @@ unblocks upstream peers sooner than one more forward would (the 1F1B idea), so b
 Weight gradients, which no other peer waits for (zero-bubble pipelining's W pass), come after
 both, in the time a stage would otherwise sit idle while the pipeline drains.
 
+A microbatch's forward or backward that has to wait because the thread is computing another job is
+a collision (SkipPipe's rule 3: two microbatches on one node at once): `collisions` counts them and
+`collision_s` adds up how long they waited, what a shared timetable is meant to bring to zero.
+
 With a trace path, every job appends a line `start end job cpu_s`: start and end on the system's
 monotonic clock (one clock for all processes of a machine, so the traces of a swarm on loopback line
 up), and the thread CPU seconds it took (less than end - start when other processes had the core).
@@ -53,6 +57,9 @@ class ComputeThread:
         self._job_context = job_context
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
+        self._running = False  # a job is being computed (read from the event loop: a hint, not a lock)
+        self.collisions = 0
+        self.collision_s = 0.0
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115 (closed at shutdown)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -63,8 +70,12 @@ class ComputeThread:
             _, _, job = self._queue.get()
             if job is None:
                 return
-            loop, future, fn, args = job
+            loop, future, fn, args, queued, collided = job
             started, cpu_started = time.monotonic(), time.thread_time()
+            if collided:
+                self.collisions += 1
+                self.collision_s += started - queued
+            self._running = True
             try:
                 with self._job_context():
                     result = fn(*args)
@@ -72,6 +83,8 @@ class ComputeThread:
                 loop.call_soon_threadsafe(_settle, future, None, e)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
+            finally:
+                self._running = False
             if self._trace is not None:
                 cpu_s = time.thread_time() - cpu_started
                 self._trace.write(f"{started:.6f} {time.monotonic():.6f} {job_name(fn)} {cpu_s:.6f}\n")
@@ -79,7 +92,8 @@ class ComputeThread:
     def run(self, priority: int, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((priority, next(self._order), (loop, future, fn, args)))
+        collided = priority in (BACKWARD, FORWARD) and (self._running or not self._queue.empty())
+        self._queue.put((priority, next(self._order), (loop, future, fn, args, time.monotonic(), collided)))
         return future
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -164,6 +164,10 @@ class NodeCollector:
             yield _counters("microbatches_served", "microbatch passes this worker served", "pass", served)
             yield _counter("microbatches_recomputed", "lost hops this worker redid", stats["recomputed"])
             yield _counter("stage_copies_served", "stage weights copied to joining replicas", stats["copies_served"])
+            yield _counter(
+                "compute_collisions", "microbatch passes that waited for another job of this node", stats["collisions"]
+            )
+            yield _counter("compute_collision_seconds", "how long those passes waited", stats["collision_s"])
             yield _gauge(
                 "microbatches_in_flight", "microbatches whose backward has not run here yet", stats["in_flight"]
             )

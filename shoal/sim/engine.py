@@ -233,6 +233,8 @@ class Simulator(FaultsMixin, KnowledgeMixin):
             if self.config.jitter > 0:
                 duration *= self.rng.lognormvariate(0.0, self.config.jitter)
             self.stats["collision_s"] += self.now - task.ready_s
+            if node.info.stage > 0 and self.now - task.ready_s > _EPS:
+                self.stats["collisions"] += 1
             node.current, node.started_s, node.duration_s = task, self.now, duration
             self.at(self.now + duration, self._finish, node, task)
 
@@ -429,6 +431,7 @@ class Simulator(FaultsMixin, KnowledgeMixin):
             idle_s=idle,
             idle_fraction=idle / (busy + idle) if busy + idle > 0 else 0.0,
             collision_s=self.stats["collision_s"],
+            collisions=self.stats["collisions"],
             memory_wait_s=self.stats["memory_wait_s"],
             planned_wait_s=self.stats["planned_wait_s"],
             scheduler_wall_s=self.policy.wall_s,

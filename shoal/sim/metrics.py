@@ -27,6 +27,7 @@ class SimResult:
     planned_wait_s: float  # seconds tasks waited for their planned start (collision-aware plans)
     scheduler_wall_s: float  # wall-clock seconds spent inside planning/ for this run
     predicted_makespan_s: float | None  # the plan's own timetable, when it made one
+    collisions: int = 0  # tasks on block-stage nodes that waited while their node computed another
     churn: dict[str, int] = field(default_factory=dict)
     scheduler_wall_by_call: dict[str, float] = field(default_factory=dict)  # e.g. allocate_stages, plan_skippipe
 

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -267,6 +267,10 @@ class DataDriver(PipelineEngine):
         slots = asyncio.Semaphore(self.ctx.max_inflight)
         self.step_peers = set()
         self.step_audits.begin()
+        self.routes.begin_step(step)
+        if self.routes.swarm_changed:  # what SkipPipe planned over, for the simulator to replay (benchmarks)
+            self.progress_file.write({"event": "planned_over", "step": step, "timetable": self.run.skippipe.timetable,
+                                      "swarm": asdict(self.routes.planned_over)})  # fmt: skip
         pieces = zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)
         jobs = [
             asyncio.create_task(self._microbatch(f"{step}.{i}", step, x, y, 1.0 / n_micro, slots, index=i))
@@ -298,7 +302,16 @@ class DataDriver(PipelineEngine):
             loss=sum(losses) / len(losses) if losses else None,
             tokens=len(losses) * tokens_per_microbatch,
             seconds=time.monotonic() - started,
-            extra={"lr": stats.lr, "audits": self.auditor.audits, "excluded": len(self.auditor.excluded)},
+            extra={
+                "lr": stats.lr,
+                "audits": self.auditor.audits,
+                "excluded": len(self.auditor.excluded),
+                **(
+                    {"plan": self.routes.plan_digest, "full_pass": self.routes.full_pass}
+                    if self.routes.skippipe
+                    else {}
+                ),
+            },
         )
 
     async def _weight_grads_done(self) -> None:
@@ -366,12 +379,14 @@ class DataDriver(PipelineEngine):
         for the whole stage wait (`stage_lost`), or after MAX_ATTEMPTS forward passes."""
         base_id = f"{self.ctx.short_id}-{tag}" if train else f"{self.ctx.short_id}-eval-{tag}"
         tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
+        if train:
+            await self.routes.released(index)  # SkipPipe's timetable: this microbatch's planned release
         async with slots:
             self.ledger.inject(base_id)
             embedded = await self.compute(self._embed if train else self.embed_eval, tokens, priority=FORWARD)
             last_reason = ""
             for attempt in range(MAX_ATTEMPTS):
-                route = await self.routes.next(train)
+                route = await self.routes.next(train, index)
                 if route is None:
                     self.ledger.abandon(base_id, AbandonReason.STAGE_LOST, self._unroutable())
                     return None

@@ -1,8 +1,12 @@
 """Where a data node sends its next microbatch: a full route from the node's routing policy, or a
-SkipPipe partial path, and CheckFree+'s swapped variants of a route."""
+SkipPipe partial path (with the step's shared timetable, its release time), and CheckFree+'s swapped
+variants of a route."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -10,8 +14,12 @@ from shoal.node.context import NodeContext
 from shoal.node.pipeline.hops import STAGE_POLL_S
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
+from shoal.planning.swarm import Swarm
 from shoal.planning.swarm_view import SwarmView
+from shoal.planning.timetable import PlannedPath, full_pass_step, shared_swarm, step_timetable
 from shoal.train.repair import swap_variant, swapped_order
+
+logger = logging.getLogger(__name__)
 
 
 class DataRoutes:
@@ -23,33 +31,71 @@ class DataRoutes:
         self.run = ctx.run
         self.banned = banned
         self.excluded = excluded
-        self.planned: list[Routed] = []  # SkipPipe: this step's planned paths not yet used
+        self.planned: dict[int, PlannedPath] = {}  # SkipPipe: this step's paths by microbatch index
+        self.step_started = time.monotonic()
+        self.full_pass = False  # SkipPipe: this step runs every stage (the periodic full pass)
+        self.plan_digest: str | None = None  # the shared timetable's digest (data nodes compare it)
+        self.planned_over: Swarm | None = None  # SkipPipe: the shared swarm of the last step planned
+        self.swarm_changed = False  # ... which differs from the one before (the driver reports it)
         self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
 
-    def _planned_path(self) -> Routed | None:
-        """SkipPipe: the next planned partial path, planning a step's worth when none is left."""
-        if not self.planned:
-            n = self.run.microbatches_per_step
-            placement = self.ctx.config.placement  # a few perturbed re-plans per step: it plans every step
-            options = SkipPipeOptions(skip=placement.skip, max_swaps=placement.max_swaps, search_budget=4 * n)
-            self.planned = self.ctx.router.plan_paths(self.ctx.peer_id, n, options) or []
-        return self.planned.pop(0) if self.planned else None
+    @property
+    def skippipe(self) -> bool:
+        return self.ctx.config.placement.paths == "skippipe"
 
-    async def next(self, train: bool = True) -> Routed | None:
+    def _options(self, microbatches: int) -> SkipPipeOptions:
+        placement, skippipe = self.ctx.config.placement, self.run.skippipe
+        return SkipPipeOptions(  # a few perturbed re-plans per step: it plans every step
+            skip=placement.skip,
+            max_swaps=placement.max_swaps,
+            max_jump=skippipe.max_jump or None,
+            search_budget=4 * microbatches,
+        )
+
+    def begin_step(self, step: int) -> None:
+        """SkipPipe: plan step `step`'s paths now, its start being the time releases count from: the
+        shared timetable, the node's own paths (`[skippipe] timetable = false`), or, every
+        `full_pass_every`th step, none (full routes)."""
+        self.step_started, self.planned, self.plan_digest = time.monotonic(), {}, None
+        self.full_pass = self.skippipe and full_pass_step(step, self.run.skippipe.full_pass_every)
+        if not self.skippipe or self.full_pass:
+            return
+        n, view = self.run.microbatches_per_step, self.ctx.view
+        if view is not None:
+            swarm, _ = shared_swarm(view, self.ctx.router.cost, self.excluded())
+            self.swarm_changed, self.planned_over = swarm != self.planned_over, swarm
+        if self.run.skippipe.timetable:
+            timetable = None if view is None else step_timetable(
+                view, self.ctx.router.cost, self.run.run_id, step, n, self._options(n), exclude=self.excluded()
+            )  # fmt: skip
+            if timetable is None:
+                logger.info("[%s] step %d: no timetable (a stage has nobody); full routes", self.ctx.short_id, step)
+                return
+            self.plan_digest = timetable.digest
+            self.planned = dict(enumerate(timetable.paths_of(self.ctx.peer_id)))
+        else:
+            routed = self.ctx.router.plan_paths(self.ctx.peer_id, n, self._options(n)) or []
+            self.planned = {i: PlannedPath(r.hops, 0.0) for i, r in enumerate(routed)}
+
+    async def released(self, index: int) -> None:
+        """Wait for microbatch `index`'s planned release (at once without a timetable)."""
+        path = self.planned.get(index)
+        if path is not None:
+            await asyncio.sleep(max(0.0, self.step_started + path.release_s - time.monotonic()))
+
+    async def next(self, train: bool = True, index: int | None = None) -> Routed | None:
         """A route for the next microbatch: through one live replica of every block stage from the
         node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
-        model) a SkipPipe partial path. While some stage has none, wait for one (bounded by the
-        node's stage wait); None if it never came."""
+        model) microbatch `index`'s planned partial path, unless it goes through a peer that just
+        failed us. While some stage has none, wait for one (bounded by the node's stage wait); None
+        if it never came."""
         router = self.ctx.router
-        skippipe = train and self.ctx.config.placement.paths == "skippipe"
+        path = self.planned.get(index) if train and index is not None else None
 
         def route_now(view: SwarmView) -> Routed | None:
             banned = self.banned()
-            if skippipe:
-                route = self._planned_path()
-                if route is not None and not {p for _, p in route.hops} & banned:
-                    return route
-                self.planned = []  # a path through a peer that just failed: plan again
+            if path is not None and not {p for _, p in path.hops} & banned:
+                return Routed(path.hops, router.ids.get(self.ctx.peer_id, -1), ())
             route = router.route(self.ctx.peer_id, exclude=banned)
             if route is None:  # a ban is a preference, not a verdict
                 route = router.route(self.ctx.peer_id, exclude=self.excluded())  # never those

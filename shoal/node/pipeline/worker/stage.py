@@ -788,6 +788,8 @@ class StageWorker(PipelineEngine):
             "steps_skipped": self.optimizer.skipped,
             "recomputed": self.recomputed,
             "recompute_s": round(self.recompute_s, 3),
+            "collisions": self.compute_thread.collisions,
+            "collision_s": round(self.compute_thread.collision_s, 4),
             "recomputes_delegated": self.recomputes_delegated,
             "stream_retries": self.stream_retries,
             **self.streams.stats(),

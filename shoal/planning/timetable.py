@@ -1,0 +1,105 @@
+"""SkipPipe's timetable across data nodes: one plan per step that every data node computes alike.
+
+SkipPipe avoids collisions by planning every microbatch of an iteration together, from all data
+nodes, and timing each task (papers/skippipe.md, rule 3). A data node that planned only its own
+paths would book the workers' time as if no other data node used them. Here no node publishes a
+plan: each data node computes the step's plan for the whole swarm from inputs they all share (the
+swarm as the DHT advertises it, peers numbered in peer-id order, the random stream seeded by run
+and step) and keeps its own paths with their release times. Plans agree while the data nodes' views
+do; `digest` tells whether they did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from shoal.planning.costs import CostModel
+from shoal.planning.from_view import swarm_from_view
+from shoal.planning.plan import IterationPlan
+from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippipe
+from shoal.planning.swarm import NodeId, Swarm
+from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmView
+
+
+@dataclass(frozen=True)
+class PlannedPath:
+    """One microbatch's path, (stage, peer) per visited block stage, and when to release it."""
+
+    hops: tuple[tuple[StageIndex, PeerID], ...]
+    release_s: float  # after the step's start
+
+
+@dataclass(frozen=True)
+class StepTimetable:
+    swarm: Swarm  # what was planned over (the simulator can replay it: `shoal.sim`)
+    plan: IterationPlan
+    peers: dict[NodeId, PeerID]
+
+    def paths_of(self, origin: PeerID) -> list[PlannedPath]:
+        """`origin`'s paths in release order, release times counted from the plan's first release."""
+        assert self.plan.timings is not None, "a timetable is a timed plan"
+        first = min((t.release_s for t in self.plan.timings), default=0.0)
+        mine = [
+            PlannedPath(tuple((self.swarm.node(h).stage, self.peers[h]) for h in route.hops), timing.release_s - first)
+            for route, timing in zip(self.plan.routes, self.plan.timings, strict=True)
+            if self.peers[route.origin] == origin
+        ]
+        return sorted(mine, key=lambda p: p.release_s)
+
+    @property
+    def digest(self) -> str:
+        """The plan in 12 hex digits: data nodes that planned alike report the same."""
+        assert self.plan.timings is not None
+        text = ";".join(
+            f"{self.peers[r.origin]}>{','.join(self.peers[h] for h in r.hops)}@{t.release_s:.4f}"
+            for r, t in zip(self.plan.routes, self.plan.timings, strict=True)
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def step_timetable(
+    view: SwarmView,
+    cost: CostModel,
+    run_id: str,
+    step: int,
+    per_data_node: int,
+    options: SkipPipeOptions,
+    exclude: Collection[PeerID] = (),
+) -> StepTimetable | None:
+    """Step `step`'s collision-aware plan for every active data node's `per_data_node` microbatches
+    over the active peers of `view` less `exclude`; None while some stage has nobody (or no plan fits).
+    Only what every data node reads alike goes in: the advertised records and links, not a node's
+    own measurements, and a seed from the run and the step."""
+    swarm, ids = shared_swarm(view, cost, exclude)
+    if any(not group for group in swarm.by_stage):
+        return None
+    options = dataclasses.replace(options, collision_aware=True)
+    try:
+        plan = plan_skippipe(
+            swarm, cost, per_data_node * len(swarm.data_nodes), options, random.Random(f"skippipe:{run_id}:{step}")
+        )
+    except PlanningError:
+        return None
+    if plan.timings is None:
+        return None
+    return StepTimetable(swarm, plan, {node_id: peer for peer, node_id in ids.items()})
+
+
+def shared_swarm(
+    view: SwarmView, cost: CostModel, exclude: Collection[PeerID] = ()
+) -> tuple[Swarm, dict[PeerID, NodeId]]:
+    """The planning swarm every data node builds alike from `view`: its active peers less `exclude`,
+    numbered in peer-id order, with the links as they are advertised."""
+    inactive = [n.peer_id for n in view.nodes if n.state != STATE_ACTIVE]
+    view = view.without([*inactive, *exclude])
+    return swarm_from_view(view, cost, view.measured_links())
+
+
+def full_pass_step(step: int, every: int) -> bool:
+    """Whether `step` (from 0) is one of SkipPipe's periodic full passes: every `every`th step, the
+    10th, 20th, ... (0: never)."""
+    return every > 0 and (step + 1) % every == 0
