@@ -7,9 +7,10 @@ simulator's figure for the same swarm.
 Real daemons on loopback: the bundled `tiny` run (d 128, 4 layers) cut into 4 stages (3 block stages of 2 workers
 each) and 2 data nodes, every one `--paths skippipe --skip 0.33` (each path visits 2 of the 3 block
 stages). Arms: `timetable` (`[skippipe] timetable = true`, the default: every data node computes the
-step's plan for both from the same advertised swarm, seeded by run and step, and releases its
-microbatches at the planned times) and `alone` (each data node plans its own paths over the workers
-as if it were the only one, and sends them at once: the daemon before the timetable). Both run the
+step's plan for both from the same advertised swarm, seeded by run and step, releases its microbatches
+at the planned times, and every hop waits for its planned start) and `alone` (each data node plans
+its own paths over the workers as if it were the only one, and sends them at once: the daemon before
+the timetable). Both run the
 jump cap (3) and the full pass every 10th step.
 
 Measured: a collision is a microbatch's forward or backward that arrived at a worker while the
@@ -17,8 +18,8 @@ worker's compute thread was busy with another job (`shoal.node.compute`); the wo
 summed and divided by the steps (the end-of-run evaluation, one full-path batch per data node, is in
 both arms' counts). Also the share of steps at which the two data nodes' plan digests agreed, step
 time, and every abandoned microbatch. The simulator (`shoal.sim.replay`) replays, over the swarm the
-first data node planned over at its first step, the shared plan (the paper's model: no task before its
-planned time), the same plan with its release times only (what the daemon does: workers compute in
+first data node planned over at its first step, the shared plan (no task before its planned time: the
+paper's model, and what the `timetable` arm does), the same plan with its release times only (hops in
 arrival order), and each data node's own plan, sent at once (the `alone` arm). Writes
 benchmarks/results/skippipe_timetable.json and its section of docs/benchmarks.md.
 """
@@ -132,12 +133,13 @@ def markdown(doc: dict) -> str:
         f"`{s['command']}` ({wall_time(s['seconds'])}; {s['machine']}). The bundled `tiny` run in 4 stages (3 "
         f"block stages of 2 workers each, 2 data nodes), {s['steps']} steps, every data node `--paths skippipe "
         f"--skip {SKIP}` (2 of 3 block stages per path), jump cap 3, a full pass every 10th step. `timetable`: "
-        "every data node computes the step's plan for both and releases its microbatches at the planned times "
-        "(the default); `alone`: each plans its own paths as if alone and sends them at once. A collision is a "
+        "every data node computes the step's plan for both, releases its microbatches at the planned times and "
+        "every hop waits for its planned start (the default); `alone`: each plans its own paths as if alone and "
+        "sends them at once. A collision is a "
         "microbatch's forward or backward that reached a worker busy with another job (summed over workers, "
         "per step; the end-of-run evaluation is in both). The simulator replays one step over the swarm the "
-        "first data node planned over: the shared plan as the paper runs it (no task before its planned "
-        "time), the same plan with only its releases (what the daemon does), and each data node's own plan.",
+        "first data node planned over: the shared plan as the paper runs it and the `timetable` arm does (no task "
+        "before its planned time), the same plan with only its releases, and each data node's own plan.",
         "",
         "| arm | repeat | collisions per step (daemons) | waiting per step (s) | plans agreed | median step (s) "
         "| abandoned | val loss |",

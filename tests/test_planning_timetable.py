@@ -8,7 +8,7 @@ from shoal.planning.costs import CostModel
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm_view import NodeInfo, SwarmView
-from shoal.planning.timetable import full_pass_step, step_timetable
+from shoal.planning.timetable import binned, full_pass_step, step_timetable
 from shoal.sim.replay import releases_only, simulate_plan
 
 COST = CostModel(activation_bytes=256 * 1024)
@@ -86,3 +86,13 @@ def test_the_simulator_replays_the_timetable_without_collisions_and_plans_made_a
     assert alone.completed == 8 and alone.collisions > 0
     released = simulate_plan(releases_only(timetable.plan), COST)  # hops in arrival order, not at their times
     assert released.completed == 8
+
+
+def test_figures_a_few_percent_apart_plan_alike_and_every_hop_gets_its_planned_starts():
+    assert [binned(x) for x in (0.0, 1.0, 1.3, 1.5, 3.9, 0.001)] == [0.0, 1.0, 1.0, 2.0, 4.0, 2.0**-10]
+    base = _view()
+    nudged = base.with_throughput({n.peer_id: n.block_throughput * 1.04 for n in base.nodes})
+    assert _plan(nudged).digest == _plan(base).digest
+    for path in _plan(base).paths_of("data-a"):
+        assert len(path.forward_s) == len(path.backward_s) == len(path.hops)
+        assert path.release_s <= path.forward_s[0] <= path.forward_s[-1] <= path.backward_s[-1] <= path.backward_s[0]

@@ -179,8 +179,8 @@ def test_the_protocol_registers_its_messages() -> None:
 
 
 def test_golden_bytes_pin_the_wire_format() -> None:
-    # {"v": 9, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
-    expected = "83a17609a174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
+    # {"v": 10, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
+    expected = "83a1760aa174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
     assert encode(PING).hex() == expected
     assert tag_of(Ping) == "ping"
 
@@ -218,7 +218,7 @@ def test_error_messages_are_one_bounded_line() -> None:
 
 
 def test_version_rule() -> None:
-    assert PROTOCOL_VERSION == 9
+    assert PROTOCOL_VERSION == 10
     assert is_compatible(PROTOCOL_VERSION)
     assert not is_compatible(PROTOCOL_VERSION + 1)
     assert not is_compatible(True)
@@ -533,3 +533,22 @@ def test_sequence_limit_matches_msgpack_array_limit() -> None:
     doc = _envelope("test.kitchen-sink", _body(SINK) | {"route": [0] * (MAX_SEQUENCE_LEN + 1)})
     with pytest.raises(MalformedMessage):
         decode(doc)
+
+
+def test_planned_starts_travel_with_a_hop_request_and_must_match_its_route() -> None:
+    from shoal.protocol.pipeline import BackwardRequest, ForwardRequest, Hop, check_hop
+
+    route = (Hop(stage=1, peer_id="a"), Hop(stage=2, peer_id="b"))
+    planned = ForwardRequest(microbatch_id="m", origin="d", step=0, hop=0, route=route, starts=(10.0, 10.5))
+    assert decode(encode(planned)) == planned
+    check_hop(planned)
+    check_hop(dataclasses.replace(planned, starts=()))  # no timetable
+    with pytest.raises(MalformedMessage, match="planned starts"):
+        check_hop(dataclasses.replace(planned, starts=(10.0,)))
+    back = BackwardRequest(microbatch_id="m", origin="d", step=0, hop=1, route=route, starts=(11.0, 12.0, 13.0))
+    with pytest.raises(MalformedMessage, match="planned starts"):
+        check_hop(back)
+    body = _body(planned)
+    body["starts"] = [10.0, float("nan")]
+    with pytest.raises(MalformedMessage):
+        decode(_envelope("fwd", body))

@@ -43,6 +43,10 @@ class Routed:
     hops: PeerRoute
     origin: NodeId
     planned: tuple[NodeId, ...]
+    # SkipPipe's timetable: each hop's planned forward and backward start, seconds after the step's
+    # start (`shoal.planning.timetable`); () = none
+    forward_s: tuple[float, ...] = ()
+    backward_s: tuple[float, ...] = ()
 
 
 class PeerRouter:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -27,10 +28,13 @@ from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmVie
 
 @dataclass(frozen=True)
 class PlannedPath:
-    """One microbatch's path, (stage, peer) per visited block stage, and when to release it."""
+    """One microbatch's path, (stage, peer) per visited block stage, and its timetable: when to
+    release it, and when each hop starts its forward and its backward (seconds after the step's start)."""
 
     hops: tuple[tuple[StageIndex, PeerID], ...]
-    release_s: float  # after the step's start
+    release_s: float
+    forward_s: tuple[float, ...] = ()
+    backward_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,12 @@ class StepTimetable:
         assert self.plan.timings is not None, "a timetable is a timed plan"
         first = min((t.release_s for t in self.plan.timings), default=0.0)
         mine = [
-            PlannedPath(tuple((self.swarm.node(h).stage, self.peers[h]) for h in route.hops), timing.release_s - first)
+            PlannedPath(
+                tuple((self.swarm.node(h).stage, self.peers[h]) for h in route.hops),
+                timing.release_s - first,
+                tuple(t - first for t in timing.forward_s),
+                tuple(t - first for t in timing.backward_s),
+            )
             for route, timing in zip(self.plan.routes, self.plan.timings, strict=True)
             if self.peers[route.origin] == origin
         ]
@@ -93,10 +102,19 @@ def shared_swarm(
     view: SwarmView, cost: CostModel, exclude: Collection[PeerID] = ()
 ) -> tuple[Swarm, dict[PeerID, NodeId]]:
     """The planning swarm every data node builds alike from `view`: its active peers less `exclude`,
-    numbered in peer-id order, with the links as they are advertised."""
+    numbered in peer-id order, with throughputs and links as they are advertised, each rounded to a
+    power of two. Peers re-advertise their figures every heartbeat, and two data nodes that read the
+    view a moment apart would otherwise plan from figures a few percent apart, and plan differently."""
     inactive = [n.peer_id for n in view.nodes if n.state != STATE_ACTIVE]
     view = view.without([*inactive, *exclude])
-    return swarm_from_view(view, cost, view.measured_links())
+    view = view.with_throughput({n.peer_id: binned(n.block_throughput) for n in view.nodes})
+    links = {pair: (binned(latency), binned(bandwidth)) for pair, (latency, bandwidth) in view.measured_links().items()}
+    return swarm_from_view(view, cost, links)
+
+
+def binned(value: float) -> float:
+    """`value` rounded to the nearest power of two (0 and below: as is, "not measured")."""
+    return 2.0 ** round(math.log2(value)) if value > 0 else value
 
 
 def full_pass_step(step: int, every: int) -> bool:

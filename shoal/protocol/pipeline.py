@@ -35,6 +35,9 @@ class ForwardRequest:
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
     needs_backward: bool = True  # False: evaluation, keep nothing
+    # SkipPipe's timetable: each hop's planned start (DHT time, seconds), which a hop waits for (a
+    # bounded while) so as not to take its node before a microbatch planned there earlier; () = none
+    starts: tuple[float, ...] = wire_field(max_len=MAX_ROUTE_HOPS, default=())
 
 
 @message("bwd")
@@ -46,6 +49,7 @@ class BackwardRequest:
     step: int
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
+    starts: tuple[float, ...] = wire_field(max_len=MAX_ROUTE_HOPS, default=())  # each hop's planned backward
 
 
 @message("recompute")
@@ -118,6 +122,9 @@ def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> N
         low, high = 0, len(request.route) - 1
     if not low <= request.hop <= high:
         raise MalformedMessage(f"hop {request.hop} outside a route of {len(request.route)} hops")
+    starts = getattr(request, "starts", ())
+    if starts and len(starts) != len(request.route):
+        raise MalformedMessage(f"{len(starts)} planned starts for a route of {len(request.route)} hops")
 
 
 @message("gossip")

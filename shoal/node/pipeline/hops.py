@@ -47,6 +47,7 @@ SEND_RETRIES = 2  # a failed stream is retried on the same peer this many times 
 RETRY_BACKOFF_S = 0.25
 STAGE_POLL_S = 0.5
 VIEW_READ_MIN_S = 0.5  # an unknown peer makes a handler read the view afresh, at most this often
+MAX_PLANNED_HOLD_S = 5.0  # the longest a hop waits for its planned start (SkipPipe's timetable)
 STEP_CLOSE_TIMEOUT_S = 10.0  # on top of twice the run's averaging exchange timeout: a close may carry an outer step
 
 
@@ -71,6 +72,14 @@ class HopFailed(Exception):
         super().__init__(message)
         self.refused = refused
         self.stage_lost = stage_lost  # a stage on the way had no live replica for the whole stage wait
+
+
+async def planned_start(starts: Sequence[float], hop: int) -> None:
+    """SkipPipe's timetable: wait for hop `hop`'s planned start (wall-clock seconds, the clock the DHT's
+    expirations already assume peers share), at most MAX_PLANNED_HOLD_S: a start further off is a
+    sender's error or a clock far off, and not worth a microbatch. No plan (`starts` empty): at once."""
+    if 0 <= hop < len(starts):
+        await asyncio.sleep(min(max(0.0, starts[hop] - time.time()), MAX_PLANNED_HOLD_S))
 
 
 def lost_kind(error: HopFailed, otherwise: AbandonReason) -> AbandonReason:
@@ -410,7 +419,7 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
             logger.info(
                 "[%s] re-routing %s: stage %d -> %s", engine.ctx.short_id, request.microbatch_id, stage, replica[-8:]
             )
-            request = ForwardRequest(
+            request = ForwardRequest(  # without planned starts: a re-routed path is not the one planned
                 microbatch_id=request.microbatch_id,
                 origin=request.origin,
                 step=request.step,

@@ -92,6 +92,7 @@ class InFlight:
     grad: torch.Tensor | None = None
     recovered: set[str] = field(default_factory=set)  # lost peers whose hop we already had redone
     embedding_grad: bool = False  # the gradient reached the embedding
+    backward_starts: tuple[float, ...] = ()  # SkipPipe's timetable: each hop's planned backward start
     recovering: int = 0  # lost hops being redone right now
     injected_at: float = field(default_factory=time.monotonic)
     capture: bool = False  # an audit or a probe: keep the activation that comes home, compute no loss
@@ -436,7 +437,8 @@ class DataDriver(PipelineEngine):
         route = routed.hops
         done = asyncio.get_running_loop().create_future()
         peers, stages = tuple(p for _, p in route), tuple(s for s, _ in route)
-        entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=peers, route_stages=stages)
+        entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=peers, route_stages=stages,
+                         backward_starts=self.routes.on_the_clock(routed.backward_s))  # fmt: skip
         self.in_flight[wire_id] = entry
         self.load.update(entry.route_peers)
         if train:
@@ -448,6 +450,7 @@ class DataDriver(PipelineEngine):
             hop=0,
             route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
             needs_backward=train,
+            starts=self.routes.on_the_clock(routed.forward_s),
         )
         timeout_s = self.ctx.config.limits.microbatch_timeout_s
         try:
@@ -548,8 +551,14 @@ class DataDriver(PipelineEngine):
         # this node has nothing more urgent, at the latest before the optimizer step
         self.weight_grads.append(self.compute_thread.run(WEIGHT_GRAD, weight_grad.accumulate))
         last = len(request.route) - 1
+        starts = entry.backward_starts if len(entry.backward_starts) == len(request.route) else ()
         entry.backward = BackwardRequest(
-            microbatch_id=request.microbatch_id, origin=request.origin, step=request.step, hop=last, route=request.route
+            microbatch_id=request.microbatch_id,
+            origin=request.origin,
+            step=request.step,
+            hop=last,
+            route=request.route,
+            starts=starts,
         )
         entry.grad = grad
         target = request.route[last].peer_id

@@ -33,6 +33,7 @@ class DataRoutes:
         self.excluded = excluded
         self.planned: dict[int, PlannedPath] = {}  # SkipPipe: this step's paths by microbatch index
         self.step_started = time.monotonic()
+        self.step_wall = time.time()  # the same moment on the wall clock, which planned hop starts use
         self.full_pass = False  # SkipPipe: this step runs every stage (the periodic full pass)
         self.plan_digest: str | None = None  # the shared timetable's digest (data nodes compare it)
         self.planned_over: Swarm | None = None  # SkipPipe: the shared swarm of the last step planned
@@ -56,7 +57,7 @@ class DataRoutes:
         """SkipPipe: plan step `step`'s paths now, its start being the time releases count from: the
         shared timetable, the node's own paths (`[skippipe] timetable = false`), or, every
         `full_pass_every`th step, none (full routes)."""
-        self.step_started, self.planned, self.plan_digest = time.monotonic(), {}, None
+        self.step_started, self.step_wall, self.planned, self.plan_digest = time.monotonic(), time.time(), {}, None
         self.full_pass = self.skippipe and full_pass_step(step, self.run.skippipe.full_pass_every)
         if not self.skippipe or self.full_pass:
             return
@@ -77,6 +78,10 @@ class DataRoutes:
             routed = self.ctx.router.plan_paths(self.ctx.peer_id, n, self._options(n)) or []
             self.planned = {i: PlannedPath(r.hops, 0.0) for i, r in enumerate(routed)}
 
+    def on_the_clock(self, relative: tuple[float, ...]) -> tuple[float, ...]:
+        """Planned times in seconds after the step's start, as wall-clock times for the hops."""
+        return tuple(self.step_wall + t for t in relative)
+
     async def released(self, index: int) -> None:
         """Wait for microbatch `index`'s planned release (at once without a timetable)."""
         path = self.planned.get(index)
@@ -95,7 +100,7 @@ class DataRoutes:
         def route_now(view: SwarmView) -> Routed | None:
             banned = self.banned()
             if path is not None and not {p for _, p in path.hops} & banned:
-                return Routed(path.hops, router.ids.get(self.ctx.peer_id, -1), ())
+                return Routed(path.hops, router.ids.get(self.ctx.peer_id, -1), (), path.forward_s, path.backward_s)
             route = router.route(self.ctx.peer_id, exclude=banned)
             if route is None:  # a ban is a preference, not a verdict
                 route = router.route(self.ctx.peer_id, exclude=self.excluded())  # never those
@@ -112,5 +117,5 @@ class DataRoutes:
             return routed
         peers = dict(routed.hops)
         order = swapped_order([s for s, _ in routed.hops], self.run.pipeline.stages, variant)
-        self.swapped += 1
-        return replace(routed, hops=tuple((s, peers[s]) for s in order))
+        self.swapped += 1  # a swapped path is not the one planned: its hops have no planned starts
+        return replace(routed, hops=tuple((s, peers[s]) for s in order), forward_s=(), backward_s=())

@@ -45,6 +45,7 @@ from shoal.node.pipeline.hops import (
     HopFailed,
     PipelineEngine,
     lost_kind,
+    planned_start,
     push_forward,
     step_close_patience_s,
 )
@@ -270,6 +271,7 @@ class StageWorker(PipelineEngine):
         self.hooks.before_forward(request.step, self.ctx.short_id)
         try:
             await self._after_previous_close(request)
+            await planned_start(request.starts, request.hop)
             await self._forward_and_pass_on(request, x)
         finally:  # an evaluation forward holds its slot until its output is delivered or given up
             self.forwarding.discard(request.microbatch_id)
@@ -295,6 +297,7 @@ class StageWorker(PipelineEngine):
             hop=request.hop + 1,
             route=request.route,
             needs_backward=request.needs_backward,
+            starts=request.starts,
         )
         onward = self._choose_next_hop(onward)
         try:
@@ -388,6 +391,7 @@ class StageWorker(PipelineEngine):
         latest, the next inner step). The first hop passes its gradient to the data node, which only
         adds it to the embedding: its W pass comes next, or W passes would pile up at the end of the
         step and hold back the next step's first forward, which waits for our inner step."""
+        await planned_start(request.starts, request.hop)
         grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
         self.transcripts.note_backward(request.microbatch_id, saved.x, grad)
         w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
@@ -404,6 +408,7 @@ class StageWorker(PipelineEngine):
             step=request.step,
             hop=request.hop - 1,
             route=request.route,
+            starts=request.starts,
         )
         await self._send_upstream(upstream, self.hooks.gradient(grad_in))
         await self._maybe_step()
