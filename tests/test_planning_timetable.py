@@ -68,6 +68,9 @@ def test_joining_and_excluded_peers_get_no_path_and_a_stage_with_nobody_gets_no_
     used = {peer for d in DATA for p in timetable.paths_of(d) for _, peer in p.hops}
     assert "w1z" not in used and "w2x" not in used
     assert step_timetable(_view(), COST, "run", 0, 4, OPTIONS, exclude={"w3x", "w3y"}) is None
+    # a joining data node is planned for: it sees its own record active before the others see it so
+    newcomer = NodeInfo("data-c", "data", 0, "joining", 10.0, 4)
+    assert len(_plan(_view(newcomer)).paths_of("data-c")) == 4
 
 
 def test_the_full_pass_is_every_nth_step_counted_from_one():

@@ -23,7 +23,7 @@ from shoal.planning.from_view import swarm_from_view
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, Swarm
-from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmView
+from shoal.planning.swarm_view import STATE_ACTIVE, STATE_JOINING, PeerID, StageIndex, SwarmView
 
 
 @dataclass(frozen=True)
@@ -101,11 +101,15 @@ def step_timetable(
 def shared_swarm(
     view: SwarmView, cost: CostModel, exclude: Collection[PeerID] = ()
 ) -> tuple[Swarm, dict[PeerID, NodeId]]:
-    """The planning swarm every data node builds alike from `view`: its active peers less `exclude`,
-    numbered in peer-id order, with throughputs and links as they are advertised, each rounded to a
-    power of two. Peers re-advertise their figures every heartbeat, and two data nodes that read the
-    view a moment apart would otherwise plan from figures a few percent apart, and plan differently."""
-    inactive = [n.peer_id for n in view.nodes if n.state != STATE_ACTIVE]
+    """The planning swarm every data node builds alike from `view`: its active workers and its data
+    nodes, active or joining, less `exclude`, numbered in peer-id order, with throughputs and links as
+    they are advertised, each rounded to a power of two. Peers re-advertise their figures every
+    heartbeat, and two data nodes that read the view a moment apart would otherwise plan from figures
+    a few percent apart, and plan differently. A joining data node counts: it sees its own record
+    turn active before the others do (seen: one data node planned without the other for 10 steps)."""
+    inactive = [
+        n.peer_id for n in view.nodes if n.state != STATE_ACTIVE and not (n.stage == 0 and n.state == STATE_JOINING)
+    ]
     view = view.without([*inactive, *exclude])
     view = view.with_throughput({n.peer_id: binned(n.block_throughput) for n in view.nodes})
     links = {pair: (binned(latency), binned(bandwidth)) for pair, (latency, bandwidth) in view.measured_links().items()}
