@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from shoal.planning.costs import CostModel
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
@@ -93,6 +95,7 @@ def test_the_simulator_replays_the_timetable_without_collisions_and_plans_made_a
 
 def test_figures_a_few_percent_apart_plan_alike_and_every_hop_gets_its_planned_starts():
     assert [binned(x) for x in (0.0, 1.0, 1.3, 1.5, 3.9, 0.001)] == [0.0, 1.0, 1.0, 2.0, 4.0, 2.0**-10]
+    assert [binned(x, 10.0) for x in (0.002, 0.03, 0.04, 5e7)] == pytest.approx([1e-3, 1e-2, 1e-1, 1e8])
     base = _view()
     nudged = base.with_throughput({n.peer_id: n.block_throughput * 1.04 for n in base.nodes})
     assert _plan(nudged).digest == _plan(base).digest

@@ -25,6 +25,8 @@ from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippip
 from shoal.planning.swarm import NodeId, Swarm
 from shoal.planning.swarm_view import STATE_ACTIVE, STATE_JOINING, PeerID, StageIndex, SwarmView
 
+MIN_PLANNED_LATENCY_S = 0.01  # links faster than this are one site to the timetable
+
 
 @dataclass(frozen=True)
 class PlannedPath:
@@ -102,23 +104,28 @@ def shared_swarm(
     view: SwarmView, cost: CostModel, exclude: Collection[PeerID] = ()
 ) -> tuple[Swarm, dict[PeerID, NodeId]]:
     """The planning swarm every data node builds alike from `view`: its active workers and its data
-    nodes, active or joining, less `exclude`, numbered in peer-id order, with throughputs and links as
-    they are advertised, each rounded to a power of two. Peers re-advertise their figures every
-    heartbeat, and two data nodes that read the view a moment apart would otherwise plan from figures
-    a few percent apart, and plan differently. A joining data node counts: it sees its own record
-    turn active before the others do (seen: one data node planned without the other for 10 steps)."""
+    nodes, active or joining, less `exclude`, numbered in peer-id order, with throughputs as advertised
+    rounded to a power of two, and links as advertised rounded to a power of ten (latencies under 10 ms
+    taken as 10 ms: one site). Peers re-measure and re-advertise every heartbeat, and two data nodes that
+    read the view a moment apart would otherwise plan from figures apart by more than the plan can
+    tell (seen on loopback: latencies of 2-30 ms from one heartbeat to the next). A joining data node
+    counts: it sees its own record turn active before the others do (seen: one data node planned
+    without the other for 10 steps)."""
     inactive = [
         n.peer_id for n in view.nodes if n.state != STATE_ACTIVE and not (n.stage == 0 and n.state == STATE_JOINING)
     ]
     view = view.without([*inactive, *exclude])
     view = view.with_throughput({n.peer_id: binned(n.block_throughput) for n in view.nodes})
-    links = {pair: (binned(latency), binned(bandwidth)) for pair, (latency, bandwidth) in view.measured_links().items()}
+    links = {
+        pair: (binned(max(latency, MIN_PLANNED_LATENCY_S), 10.0), binned(bandwidth, 10.0))
+        for pair, (latency, bandwidth) in view.measured_links().items()
+    }
     return swarm_from_view(view, cost, links)
 
 
-def binned(value: float) -> float:
-    """`value` rounded to the nearest power of two (0 and below: as is, "not measured")."""
-    return 2.0 ** round(math.log2(value)) if value > 0 else value
+def binned(value: float, base: float = 2.0) -> float:
+    """`value` rounded to the nearest power of `base` (0 and below: as is, "not measured")."""
+    return base ** round(math.log(value, base)) if value > 0 else value
 
 
 def full_pass_step(step: int, every: int) -> bool:
