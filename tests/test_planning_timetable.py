@@ -10,7 +10,7 @@ from shoal.planning.costs import CostModel
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm_view import NodeInfo, SwarmView
-from shoal.planning.timetable import binned, full_pass_step, step_timetable
+from shoal.planning.timetable import binned, full_pass_step, reads_swarm, step_timetable
 from shoal.sim.replay import releases_only, simulate_plan
 
 COST = CostModel(activation_bytes=256 * 1024)
@@ -78,6 +78,8 @@ def test_joining_and_excluded_peers_get_no_path_and_a_stage_with_nobody_gets_no_
 def test_the_full_pass_is_every_nth_step_counted_from_one():
     assert [s for s in range(30) if full_pass_step(s, 10)] == [9, 19, 29]
     assert not any(full_pass_step(s, 0) for s in range(30))
+    assert [s for s in range(30) if reads_swarm(s, 10)] == [0, 10, 20]  # the first step and after each full pass
+    assert [s for s in range(30) if reads_swarm(s, 0)] == [0, 10, 20]
 
 
 def test_the_simulator_replays_the_timetable_without_collisions_and_plans_made_alone_with_them():

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import math
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from shoal.planning.costs import CostModel
@@ -81,11 +81,23 @@ def step_timetable(
     options: SkipPipeOptions,
     exclude: Collection[PeerID] = (),
 ) -> StepTimetable | None:
-    """Step `step`'s collision-aware plan for every active data node's `per_data_node` microbatches
-    over the active peers of `view` less `exclude`; None while some stage has nobody (or no plan fits).
-    Only what every data node reads alike goes in: the advertised records and links, not a node's
-    own measurements, and a seed from the run and the step."""
+    """Step `step`'s collision-aware plan over `shared_swarm(view, cost, exclude)` (`plan_step`)."""
     swarm, ids = shared_swarm(view, cost, exclude)
+    return plan_step(swarm, ids, cost, run_id, step, per_data_node, options)
+
+
+def plan_step(
+    swarm: Swarm,
+    ids: Mapping[PeerID, NodeId],
+    cost: CostModel,
+    run_id: str,
+    step: int,
+    per_data_node: int,
+    options: SkipPipeOptions,
+) -> StepTimetable | None:
+    """Step `step`'s collision-aware plan for every data node's `per_data_node` microbatches over
+    `swarm` (peer `p` is node `ids[p]`); None while some stage has nobody (or no plan fits). Only what
+    every data node has alike goes in: the shared swarm, and a seed from the run and the step."""
     if any(not group for group in swarm.by_stage):
         return None
     options = dataclasses.replace(options, collision_aware=True)
@@ -126,6 +138,13 @@ def shared_swarm(
 def binned(value: float, base: float = 2.0) -> float:
     """`value` rounded to the nearest power of `base` (0 and below: as is, "not measured")."""
     return base ** round(math.log(value, base)) if value > 0 else value
+
+
+def reads_swarm(step: int, every: int) -> bool:
+    """Whether a data node reads the swarm afresh before `step` for the timetables of the steps up to
+    the next full pass: at the first step and right after each full pass (every 10 steps without one).
+    Data nodes step together, so they read the DHT within moments of each other and plan alike."""
+    return step % (every or 10) == 0
 
 
 def full_pass_step(step: int, every: int) -> bool:

@@ -268,7 +268,7 @@ class DataDriver(PipelineEngine):
         slots = asyncio.Semaphore(self.ctx.max_inflight)
         self.step_peers = set()
         self.step_audits.begin()
-        self.routes.begin_step(step)
+        await self.routes.begin_step(step)
         if self.routes.swarm_changed:  # what SkipPipe planned over, for the simulator to replay (benchmarks)
             self.progress_file.write({"event": "planned_over", "step": step, "timetable": self.run.skippipe.timetable,
                                       "swarm": asdict(self.routes.planned_over)})  # fmt: skip

@@ -16,7 +16,7 @@ from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm import Swarm
 from shoal.planning.swarm_view import SwarmView
-from shoal.planning.timetable import PlannedPath, full_pass_step, shared_swarm, step_timetable
+from shoal.planning.timetable import PlannedPath, full_pass_step, plan_step, reads_swarm, shared_swarm
 from shoal.train.repair import swap_variant, swapped_order
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ class DataRoutes:
         self.step_wall = time.time()  # the same moment on the wall clock, which planned hop starts use
         self.full_pass = False  # SkipPipe: this step runs every stage (the periodic full pass)
         self.plan_digest: str | None = None  # the shared timetable's digest (data nodes compare it)
-        self.planned_over: Swarm | None = None  # SkipPipe: the shared swarm of the last step planned
-        self.swarm_changed = False  # ... which differs from the one before (the driver reports it)
+        self.shared: tuple[Swarm, dict[str, int]] | None = None  # SkipPipe: the swarm read, peer -> node id
+        self.swarm_changed = False  # this step read a swarm other than the one before (the driver reports it)
         self.swapped = 0  # CheckFree+: microbatches sent with swapped partner stages
 
     @property
@@ -53,22 +53,28 @@ class DataRoutes:
             search_budget=4 * microbatches,
         )
 
-    def begin_step(self, step: int) -> None:
+    async def begin_step(self, step: int) -> None:
         """SkipPipe: plan step `step`'s paths now, its start being the time releases count from: the
         shared timetable, the node's own paths (`[skippipe] timetable = false`), or, every
-        `full_pass_every`th step, none (full routes)."""
+        `full_pass_every`th step, none (full routes). The shared swarm is read afresh from the DHT at
+        the first step and after each full pass (`reads_swarm`), and kept in between: every data node
+        then plans from the same reading, where views refreshed by each node's own heartbeat lag each
+        other by seconds (seen: 7 steps). A peer that fails us in between is routed around per microbatch."""
         self.step_started, self.step_wall, self.planned, self.plan_digest = time.monotonic(), time.time(), {}, None
-        self.full_pass = self.skippipe and full_pass_step(step, self.run.skippipe.full_pass_every)
+        every = self.run.skippipe.full_pass_every
+        self.full_pass = self.skippipe and full_pass_step(step, every)
         if not self.skippipe or self.full_pass:
             return
-        n, view = self.run.microbatches_per_step, self.ctx.view
-        if view is not None:
-            swarm, _ = shared_swarm(view, self.ctx.router.cost, self.excluded())
-            self.swarm_changed, self.planned_over = swarm != self.planned_over, swarm
+        self.swarm_changed = False
+        if self.shared is None or reads_swarm(step, every):
+            view = await self.ctx.refresh_view()
+            shared = shared_swarm(view, self.ctx.router.cost)
+            self.swarm_changed = self.shared is None or shared[0] != self.shared[0]
+            self.shared = shared
+        n = self.run.microbatches_per_step
         if self.run.skippipe.timetable:
-            timetable = None if view is None else step_timetable(
-                view, self.ctx.router.cost, self.run.run_id, step, n, self._options(n), exclude=self.excluded()
-            )  # fmt: skip
+            swarm, ids = self.shared
+            timetable = plan_step(swarm, ids, self.ctx.router.cost, self.run.run_id, step, n, self._options(n))
             if timetable is None:
                 logger.info("[%s] step %d: no timetable (a stage has nobody); full routes", self.ctx.short_id, step)
                 return
@@ -77,6 +83,11 @@ class DataRoutes:
         else:
             routed = self.ctx.router.plan_paths(self.ctx.peer_id, n, self._options(n)) or []
             self.planned = {i: PlannedPath(r.hops, 0.0) for i, r in enumerate(routed)}
+
+    @property
+    def planned_over(self) -> Swarm | None:
+        """The shared swarm of the latest reading (the simulator can replay it: benchmarks)."""
+        return None if self.shared is None else self.shared[0]
 
     def on_the_clock(self, relative: tuple[float, ...]) -> tuple[float, ...]:
         """Planned times in seconds after the step's start, as wall-clock times for the hops."""
