@@ -144,6 +144,61 @@ def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward
     assert real == _simulated_crash_in_backward() == {"sent again": 0, "hops redone": 1, "abandoned": 0}
 
 
+def _simulated_crash_in_forward() -> dict:
+    """The same fault in the simulator: one microbatch through a data node, a stage-1 node and one of
+    two stage-2 replicas, which crashes while it computes the microbatch's forward (3.2-5.2 s). The
+    sender notices after its failure timeout, and the forward resumes from the stage-1 node, which
+    kept its output (`shoal.sim.faults`: the nearest upstream holder)."""
+    import random
+
+    from shoal.planning.costs import CostModel
+    from shoal.planning.policy import make_policy
+    from shoal.planning.swarm import PlanNode, Swarm
+    from shoal.sim.engine import SimConfig, Simulator
+
+    cost = CostModel(activation_bytes=50, per_hop_overhead_s=0.05)
+    nodes = (PlanNode(0, 0, 0, 1.0, 1), PlanNode(1, 1, 1, 2.0, 1), PlanNode(2, 2, 1, 2.0, 1), PlanNode(3, 2, 1, 2.0, 1))
+    swarm = Swarm(nodes, 3, ((0.0, 0.1), (0.1, 0.0)), ((1e12, 100.0), (100.0, 1e12)))
+    for victim in (2, 3):  # the policy routes through one of the two; crash each in turn, keep the hit
+        config = SimConfig(microbatches=1, failure_timeout_s=5.0, scripted=((4.0, "crash", victim),))
+        sim = Simulator(swarm, cost, make_policy("gwtf", cost, random.Random(0)), config, random.Random(0))
+        result = sim.run()
+        if sim.stats["detected_losses"]:
+            return {"sent again": result.restarted, "resumed": sim.stats["detected_losses"],
+                    "abandoned": result.abandoned, "completed": result.completed}  # fmt: skip
+    raise AssertionError("neither crash hit the microbatch")
+
+
+def test_the_simulator_and_real_daemons_resume_a_forward_lost_after_its_hop_took_it(swarm, tmp_path):
+    """GWTF in forward: a stage-2 replica takes a microbatch's activation (it acknowledges) and dies
+    before passing it on. The data node has the stage-1 hop, which kept its output, pass it on to the
+    other stage-2 replica: the forward pass is resumed there, not sent again from the start."""
+    run_file = write_tiny_run(tmp_path, **{
+        "train.steps": 12, "train.batch_size": 2, "averaging.mode": "none", "defense.audit_rate": 0.0,
+        "defense.step_audit_rate": 0.0,
+    })  # fmt: skip
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", TTL, "--role", "worker")
+    upstream = swarm.start_node([entry], *common, "--stage", "1", "--stats-file", str(tmp_path / "up.json"), wait=False)
+    # the victim dies (as if SIGKILLed) in the first forward that reaches it, after acknowledging it
+    victim = swarm.start_node([entry], *common, "--stage", "2", "--inject-crash-at-step", "0", wait=False)
+    spare = swarm.start_node([entry], *common, "--stage", "2", wait=False)
+    for peer in (upstream, victim, spare):
+        swarm.wait_ready(peer)
+    progress = tmp_path / "progress.jsonl"
+    # random replicas: 12 microbatches miss the victim with probability 2^-12
+    swarm.start_node([entry], "--role", "data", "--record-ttl", TTL, "--routing", "random", "--progress-file",
+                     str(progress))  # fmt: skip
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish")
+    for peer in (upstream, spare):
+        assert swarm.stop(peer) == 0
+    real = {"sent again": done["microbatches_resent"], "resumed": done["microbatches_resumed"],
+            "abandoned": done["microbatches_abandoned"], "completed": 1}  # fmt: skip
+    assert real == _simulated_crash_in_forward() == {"sent again": 0, "resumed": 1, "abandoned": 0, "completed": 1}
+    assert _stats(tmp_path / "up.json")["forwards_resumed"] == 1
+    assert done["steps"] == 12
+
+
 # Three one-layer block stages in the post-training setting (weights of a trained model's size, init
 # std 0.2, and a small learning rate, as tests/helpers/hostile.py): a fresh block of that size is not
 # close to the identity, as the tiny run's is (there a re-initialised stage costs nothing to learn back).

@@ -83,6 +83,17 @@ class RecoverRequest:
     lost_peer: str = wire_field(max_len=MAX_ID_CHARS, token=True)
 
 
+@message("resume_fwd")
+class ResumeForward:
+    """From the data node: the hop after yours took this microbatch's activation and was lost before it
+    came home. Send the output you keep for its backward on along `route`, which names you at `hop` and
+    replaces the lost hops after you (GWTF: re-send from the nearest upstream hop that kept the input)."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    hop: int
+    route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
+
+
 @message("step_close")
 class StepClose:
     """From a data node: its step `step` is over, with these microbatches completed. A worker steps its

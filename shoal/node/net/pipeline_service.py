@@ -23,6 +23,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    ResumeForward,
     StageCopyRequest,
     StepClose,
     StepTranscriptRequest,
@@ -76,6 +77,12 @@ class EngineService:
         handler = self._handler("recover", peer)
         if handler is None:
             return Ack(accepted=False, reason="not served here")
+        return await handler(request, peer.to_base58())
+
+    async def rpc_resume_forward(self, request: ResumeForward, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("resume_forward", peer)
+        if handler is None:
+            return Ack(accepted=False, reason="this node keeps no forward outputs")
         return await handler(request, peer.to_base58())
 
     async def rpc_step_close(self, close: StepClose, stream: FramedStream, peer: PeerID) -> Ack:

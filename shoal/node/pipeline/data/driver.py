@@ -65,6 +65,7 @@ from shoal.protocol.pipeline import (
     Hop,
     OutputRequest,
     RecoverRequest,
+    ResumeForward,
     StageCopyRequest,
     StepClose,
     check_hop,
@@ -93,6 +94,8 @@ class InFlight:
     recovered: set[str] = field(default_factory=set)  # lost peers whose hop we already had redone
     embedding_grad: bool = False  # the gradient reached the embedding
     backward_starts: tuple[float, ...] = ()  # SkipPipe's timetable: each hop's planned backward start
+    step: int = 0
+    train: bool = True  # a training forward: its hops keep their outputs until its backward
     recovering: int = 0  # lost hops being redone right now
     injected_at: float = field(default_factory=time.monotonic)
     capture: bool = False  # an audit or a probe: keep the activation that comes home, compute no loss
@@ -437,8 +440,9 @@ class DataDriver(PipelineEngine):
         route = routed.hops
         done = asyncio.get_running_loop().create_future()
         peers, stages = tuple(p for _, p in route), tuple(s for s, _ in route)
+        backward_starts = self.routes.on_the_clock(routed.backward_s)
         entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=peers, route_stages=stages,
-                         backward_starts=self.routes.on_the_clock(routed.backward_s))  # fmt: skip
+                         backward_starts=backward_starts, step=step, train=train)  # fmt: skip
         self.in_flight[wire_id] = entry
         self.load.update(entry.route_peers)
         if train:
@@ -624,8 +628,9 @@ class DataDriver(PipelineEngine):
 
     def reap_lost(self, live_peers: set[str]) -> int:
         """Act on in-flight microbatches routed through a peer that left the swarm (its record expired
-        or says `leaving`): before coming home, send the forward pass again; in backward, have the
-        hop after the lost one pass its kept gradient to another replica of the lost stage."""
+        or says `leaving`): before coming home, resume the forward pass from the nearest hop upstream
+        of the lost one that keeps its output, or send it again; in backward, have the hop after the
+        lost one pass its kept gradient to another replica of the lost stage."""
         count = 0
         for wire_id, entry in list(self.in_flight.items()):
             lost = [p for p in entry.route_peers if p not in live_peers]
@@ -633,13 +638,66 @@ class DataDriver(PipelineEngine):
                 continue
             count += 1
             if not entry.home:
-                self._end(wire_id, Outcome("resend", AbandonReason.FORWARD, f"peer {lost[0][-8:]} left the swarm"))
+                if not set(lost) <= entry.recovered:
+                    entry.recovered.update(lost)
+                    self.spawn(self._resume_forward(wire_id, entry, set(lost), live_peers), f"resume {wire_id}")
                 continue
             for peer in lost:
                 if peer not in entry.recovered:
                     entry.recovered.add(peer)
                     self.spawn(self._recover(wire_id, entry, peer), f"recover {wire_id}")
         return count
+
+    async def _resume_forward(self, wire_id: str, entry: InFlight, lost: set[str], live: set[str]) -> None:
+        """GWTF's recovery in forward: the lost hops get replicas of their stages, and the nearest hop
+        upstream of the first lost one that keeps its output passes it on along the new route (the data
+        node's own embedding when the first hop was lost). Only if no hop can, the forward pass is
+        sent again from the start (a new attempt)."""
+        why = f"peer {next(iter(lost))[-8:]} left the swarm"
+        first = min(i for i, p in enumerate(entry.route_peers) if p in lost)
+        route = list(zip(entry.route_stages, entry.route_peers, strict=True))
+        avoid = lost | self.banned()
+        for pos in range(first, len(route)):
+            stage, peer = route[pos]
+            if peer in lost:
+                prev = route[pos - 1][1] if pos else self.ctx.peer_id
+                nxt = route[pos + 1][1] if pos + 1 < len(route) else self.ctx.peer_id
+                replica = self.ctx.router.replace(stage, prev, nxt, avoid) if entry.train else None
+                if replica is None:
+                    self._end(wire_id, Outcome("resend", AbandonReason.FORWARD, why))
+                    return
+                route[pos] = (stage, replica)
+        hops = tuple(Hop(stage=s, peer_id=p) for s, p in route)
+        resumed = False
+        for upstream in range(first - 1, -1, -1):
+            if route[upstream][1] not in live:
+                continue
+            request = ResumeForward(microbatch_id=wire_id, hop=upstream, route=hops)
+            try:
+                ack = await call(self.ctx.p2p, route[upstream][1], "rpc_resume_forward", request, Ack, timeout_s=5.0)
+            except Exception as e:
+                logger.info("[%s] resume %s at hop %d: %s", self.ctx.short_id, wire_id, upstream, e)
+                continue
+            if ack.accepted:
+                resumed = True
+                break
+        if not resumed and first == 0 and entry.train:
+            request = ForwardRequest(microbatch_id=wire_id, origin=self.ctx.peer_id, step=entry.step, hop=0, route=hops)
+            try:
+                await push_forward(self, request, entry.embedded.detach())
+                resumed = True
+            except HopFailed as e:
+                logger.info("[%s] resume %s from its embedding: %s", self.ctx.short_id, wire_id, e)
+        if entry.done.done():
+            return
+        if not resumed:
+            self._end(wire_id, Outcome("resend", AbandonReason.FORWARD, why))
+            return
+        self.load.subtract(entry.route_peers)
+        entry.route_peers = tuple(p for _, p in route)
+        self.load.update(entry.route_peers)
+        self.ledger.resumed += 1
+        logger.info("[%s] %s resumed after %s", self.ctx.short_id, wire_id, why)
 
     async def _recover(self, wire_id: str, entry: InFlight, lost_peer: str) -> None:
         assert entry.backward is not None

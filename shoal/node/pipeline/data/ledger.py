@@ -24,6 +24,7 @@ class MicrobatchLedger:
     details: deque[str] = field(default_factory=lambda: deque(maxlen=DETAILS_KEPT))
     resent: int = 0  # forward passes sent again after a hop was lost before the activation came home
     recoveries: int = 0  # lost backward hops this data node had redone (the hops report their own)
+    resumed: int = 0  # forward passes resumed from the nearest upstream hop after a hop was lost in them
     wasted_s: float = 0.0  # in-flight seconds of the forward passes that had to be sent again
     _open: set[str] = field(default_factory=set)
 
@@ -72,5 +73,6 @@ class MicrobatchLedger:
             "microbatches_in_flight": self.in_flight,
             "microbatches_resent": self.resent,
             "backward_recoveries": self.recoveries,
+            "microbatches_resumed": self.resumed,
             "resend_wasted_s": round(self.wasted_s, 3),
         }

@@ -63,6 +63,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    ResumeForward,
     StageCopyRequest,
     StepClose,
     StepTranscriptRequest,
@@ -125,6 +126,7 @@ class StageWorker(PipelineEngine):
         self.backwards = 0
         self.refused = 0  # requests a peer was not entitled to send
         self.recomputed = 0
+        self.resumed = 0  # forwards passed on again for the data node, after the hop after ours was lost
         self.recompute_s = 0.0
         self.expired = 0
         self.copies_served = 0
@@ -510,6 +512,36 @@ class StageWorker(PipelineEngine):
                 kept.request.origin, kept.request.microbatch_id, f"recover: {e}", lost_kind(e, AbandonReason.RECOVER)
             )
 
+    async def on_resume_forward(self, request: ResumeForward, sender: str) -> Ack:
+        """The data node lost the hop after ours: pass the output we keep on to the hop `route` names
+        instead. Only for the microbatch as we forwarded it, from its own data node, and only to the
+        stage we passed it to."""
+        saved = self.saved.get(request.microbatch_id)
+        if saved is None or sender != saved.origin:
+            return Ack(accepted=False, reason="no output kept for that microbatch from that data node")
+        route, hop = request.route, request.hop
+        if not 0 <= hop < len(route) or hop != saved.hop or route[hop].peer_id != self.ctx.peer_id:
+            return Ack(accepted=False, reason="that route does not name us where we forwarded it")
+        if (route[hop + 1].stage if hop + 1 < len(route) else None) != saved.next_stage:
+            return Ack(accepted=False, reason="that route sends it to another stage than we did")
+        onward = ForwardRequest(
+            microbatch_id=request.microbatch_id, origin=saved.origin, step=saved.step, hop=hop + 1, route=route
+        )
+        self.resumed += 1
+        self.spawn(self._resume(onward, saved), f"resume {request.microbatch_id}")
+        return Ack(accepted=True)
+
+    async def _resume(self, onward: ForwardRequest, saved: Saved) -> None:
+        try:
+            delivered = await push_forward(self, onward, self._outgoing(saved.y.detach()))
+            home = delivered.hop == len(delivered.route)
+            saved.next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
+        except HopFailed as e:
+            await self.notify_abandon(
+                onward.origin, onward.microbatch_id, f"resume after stage {self.stage}: {e}",
+                lost_kind(e, AbandonReason.FORWARD),
+            )  # fmt: skip
+
     # ---- steps and endings ------------------------------------------------------------------------
 
     async def on_step_close(self, close: StepClose, sender: str) -> Ack:
@@ -616,6 +648,7 @@ class StageWorker(PipelineEngine):
             "fetch_output": self.on_fetch_output,
             "abandon": self.on_abandon,
             "recover": self.on_recover,
+            "resume_forward": self.on_resume_forward,
             "step_close": self.on_step_close,
             "gossip": self.on_gossip,
             "copy_stage": self.on_copy_stage,
@@ -795,6 +828,7 @@ class StageWorker(PipelineEngine):
             "recompute_s": round(self.recompute_s, 3),
             "collisions": self.compute_thread.collisions,
             "collision_s": round(self.compute_thread.collision_s, 4),
+            "forwards_resumed": self.resumed,
             "recomputes_delegated": self.recomputes_delegated,
             "stream_retries": self.stream_retries,
             **self.streams.stats(),
