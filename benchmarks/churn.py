@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn.json"
 TTL = "6"
 HEADER = (
-    "| run | injected | completed | abandoned (reasons) | sent again | recoveries | hops redone | stream retries "
-    "| kills (n) | final loss | val loss | tokens/s | wall s |\n|" + "---|" * 13
+    "| run | injected | completed | abandoned (reasons) | sent again | resumed | recoveries | hops redone "
+    "| stream retries | kills (n) | final loss | val loss | tokens/s | wall s |\n|" + "---|" * 14
 )
 
 
@@ -203,7 +203,8 @@ def markdown(result: dict) -> str:
         kills = f"{len(r['kills'])} ({r['replacements_on_the_killed_stage']})" if r["churn"] else "0"
         rows.append(
             f"| {name} | {d['microbatches_injected']} | {d['microbatches_completed']} | "
-            f"{d['microbatches_abandoned']} ({reasons}) | {d['microbatches_resent']} | {d['backward_recoveries']} | "
+            f"{d['microbatches_abandoned']} ({reasons}) | {d['microbatches_resent']} | "
+            f"{d.get('microbatches_resumed', '-')} | {d['backward_recoveries']} | "
             f"{r['hops_redone']} | {r['stream_retries']} | {kills} | {d['final_loss']:.3f} | {d['val_loss']:.3f} | "
             f"{d['tokens_per_s']:.0f} | {r['wall_s']:.0f} |"
         )
@@ -234,10 +235,10 @@ calibrated to the fault-free run, {sim["forward_s"] * 1e3:.0f} ms forward per st
 |---|---|---|---|---|---|
 {sim_rows}
 
-The simulator agrees with the daemons that every microbatch completes and none is abandoned. It
-sends no forward pass again where the daemons did: a daemon's hop that acknowledged an activation
-and then died costs a whole forward pass from the data node, where the simulator re-sends from the
-nearest upstream hop. And it is far more optimistic on throughput: it does not model what a
+"sent again": forward passes restarted from the data node; "resumed": forward passes lost at a hop
+that had taken the activation, passed on again by the nearest hop upstream that kept it (as the
+simulator does; a hop lost before it acknowledged is re-routed by its sender and counts in neither).
+The simulator is far more optimistic on throughput: it does not model what a
 restart costs on two shared cores (a fresh `shoal node` imports torch, starts its libp2p daemon
 and measures its own speed, seconds of CPU taken from the running workers), nor a data node
 waiting for a stage whose replicas died together.
