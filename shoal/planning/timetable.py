@@ -117,12 +117,16 @@ def shared_swarm(
 ) -> tuple[Swarm, dict[PeerID, NodeId]]:
     """The planning swarm every data node builds alike from `view`: its active workers and its data
     nodes, active or joining, less `exclude`, numbered in peer-id order, with throughputs as advertised
-    rounded to a power of two, and links as advertised rounded to a power of ten (latencies under 10 ms
-    taken as 10 ms: one site). Peers re-measure and re-advertise every heartbeat, and two data nodes that
-    read the view a moment apart would otherwise plan from figures apart by more than the plan can
-    tell (seen on loopback: latencies of 2-30 ms from one heartbeat to the next). A joining data node
-    counts: it sees its own record turn active before the others do (seen: one data node planned
-    without the other for 10 steps)."""
+    rounded to a power of two, and links as advertised rounded to a power of ten.
+
+    Latencies under 10 ms, and links nobody has measured yet, are taken as 10 ms (one site): a hop is
+    held for its planned start, so a plan that assumed the 100 ms of an unknown link held every hop
+    that long (steps took 0.74 s where the same paths sent at once took 0.47). The rounding: peers
+    re-measure and re-advertise every heartbeat, and two data nodes that read the view a moment apart
+    would otherwise plan from figures apart by more than the plan can tell (seen on loopback:
+    latencies of 2-30 ms from one heartbeat to the next). A joining data node counts: it sees its own
+    record turn active before the others do (seen: one data node planned without the other for 10
+    steps)."""
     inactive = [
         n.peer_id for n in view.nodes if n.state != STATE_ACTIVE and not (n.stage == 0 and n.state == STATE_JOINING)
     ]
@@ -132,7 +136,7 @@ def shared_swarm(
         pair: (binned(max(latency, MIN_PLANNED_LATENCY_S), 10.0), binned(bandwidth, 10.0))
         for pair, (latency, bandwidth) in view.measured_links().items()
     }
-    return swarm_from_view(view, cost, links)
+    return swarm_from_view(view, cost, links, default_latency_s=MIN_PLANNED_LATENCY_S)
 
 
 def binned(value: float, base: float = 2.0) -> float:
