@@ -176,6 +176,7 @@ class NodeCollector:
                 ("injected", "microbatches this data node injected"),
                 ("completed", "microbatches that came back and whose gradient reached the embedding"),
                 ("resent", "forward passes sent again after a hop was lost before coming home"),
+                ("resumed", "forward passes an upstream hop passed on again after a hop was lost"),
             ):
                 yield _counter(f"microbatches_{name}", doc, stats[f"microbatches_{name}"])
             reasons = dict.fromkeys(REASON_KINDS, 0)

@@ -102,22 +102,39 @@ class DataRoutes:
     async def next(self, train: bool = True, index: int | None = None) -> Routed | None:
         """A route for the next microbatch: through one live replica of every block stage from the
         node's routing policy, or (`--paths skippipe`, training only: evaluation always runs the whole
-        model) microbatch `index`'s planned partial path, unless it goes through a peer that just
-        failed us. While some stage has none, wait for one (bounded by the node's stage wait); None
-        if it never came."""
+        model) microbatch `index`'s planned partial path, a peer that just failed us replaced by
+        another replica of its stage (the path then no longer keeps its planned times). While some
+        stage has none, wait for one (bounded by the node's stage wait); None if it never came."""
         router = self.ctx.router
         path = self.planned.get(index) if train and index is not None else None
 
         def route_now(view: SwarmView) -> Routed | None:
             banned = self.banned()
-            if path is not None and not {p for _, p in path.hops} & banned:
-                return Routed(path.hops, router.ids.get(self.ctx.peer_id, -1), (), path.forward_s, path.backward_s)
+            if path is not None:
+                hops = self._avoiding(path.hops, banned)
+                if hops == path.hops:
+                    return Routed(hops, router.ids.get(self.ctx.peer_id, -1), (), path.forward_s, path.backward_s)
+                if hops is not None:
+                    return Routed(hops, router.ids.get(self.ctx.peer_id, -1), ())
             route = router.route(self.ctx.peer_id, exclude=banned)
             if route is None:  # a ban is a preference, not a verdict
                 route = router.route(self.ctx.peer_id, exclude=self.excluded())  # never those
             return route
 
         return await self.ctx.wait_for(route_now, self.ctx.config.limits.stage_wait_s, poll_s=STAGE_POLL_S)
+
+    def _avoiding(self, hops: tuple[tuple[int, str], ...], banned: set[str]) -> tuple[tuple[int, str], ...] | None:
+        """`hops` with each banned peer replaced by a replica of its stage; None if a stage has none."""
+        out = list(hops)
+        for i, (stage, peer) in enumerate(out):
+            if peer in banned:
+                prev = out[i - 1][1] if i else self.ctx.peer_id
+                nxt = out[i + 1][1] if i + 1 < len(out) else self.ctx.peer_id
+                replica = self.ctx.router.replace(stage, prev, nxt, banned)
+                if replica is None:
+                    return None
+                out[i] = (stage, replica)
+        return tuple(out)
 
     def swapped_for(self, routed: Routed, step: int, microbatch: int) -> Routed:
         """CheckFree+: a share of the microbatches run with the edge block stages swapped with their
