@@ -25,7 +25,7 @@ from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippip
 from shoal.planning.swarm import NodeId, Swarm
 from shoal.planning.swarm_view import STATE_ACTIVE, STATE_JOINING, PeerID, StageIndex, SwarmView
 
-MIN_PLANNED_LATENCY_S = 0.001  # links faster than this are one site to the timetable
+MIN_PLANNED_LATENCY_S = 0.01  # links faster than this are one site to the timetable
 
 
 @dataclass(frozen=True)
