@@ -147,10 +147,9 @@ def markdown(doc: dict) -> str:
     ]
     for r in doc["runs"]:
         agreed = "-" if r["plans_agreed"] is None else f"{r['plans_agreed']} of {r['steps_planned']}"
-        step = "-" if r["step_s"] is None else f"{r['step_s']:.2f}"
         lines.append(
             f"| {r['arm']} | {r['repeat']} | {r['collisions_per_step']:.1f} | {r['collision_s_per_step']:.3f} "
-            f"| {agreed} | {step} | {r['abandoned']} | {' / '.join(f'{v:.3f}' for v in r['val_loss'])} |"
+            f"| {agreed} | {r['step_s']:.2f} | {r['abandoned']} | {' / '.join(f'{v:.3f}' for v in r['val_loss'])} |"
         )
     medians = {arm: statistics.median(r["collisions_per_step"] for r in doc["runs"] if r["arm"] == arm)
                for arm in ARMS if any(r["arm"] == arm for r in doc["runs"])}  # fmt: skip

@@ -110,12 +110,11 @@ class DataRoutes:
 
         def route_now(view: SwarmView) -> Routed | None:
             banned = self.banned()
-            if path is not None:
-                hops = self._avoiding(path.hops, banned)
-                if hops == path.hops:
-                    return Routed(hops, router.ids.get(self.ctx.peer_id, -1), (), path.forward_s, path.backward_s)
-                if hops is not None:
-                    return Routed(hops, router.ids.get(self.ctx.peer_id, -1), ())
+            hops = self._avoiding(path.hops, banned) if path is not None else None
+            if hops is not None:
+                timed = hops == path.hops  # a replaced hop voids the planned times
+                origin = router.ids.get(self.ctx.peer_id, -1)
+                return Routed(hops, origin, (), *((path.forward_s, path.backward_s) if timed else ((), ())))
             route = router.route(self.ctx.peer_id, exclude=banned)
             if route is None:  # a ban is a preference, not a verdict
                 route = router.route(self.ctx.peer_id, exclude=self.excluded())  # never those
