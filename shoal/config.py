@@ -18,6 +18,7 @@ from typing import Any
 
 from shoal.model.config import ModelConfig
 from shoal.protocol.errors import MalformedMessage
+from shoal.protocol.pipeline import MAX_TOKEN_BYTES
 from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: a scale per row, then int8 rows (protocol/tensors.py)
@@ -25,7 +26,7 @@ OUTER_CODECS = ("float32", "int8", "topk")  # averaging.codec (shoal/train/outer
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # pipeline.compute_dtype (shoal/device.py)
 DEFAULT_MODEL = ModelConfig()
 # ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults
-IMPORTED_MODEL_FIELDS = ("n_kv_heads", "qkv_bias", "tie_embeddings", "checkpoint", "tokenizer")
+IMPORTED_MODEL_FIELDS = ("n_kv_heads", "qkv_bias", "tie_embeddings", "checkpoint", "tokenizer", "subspace_rank")
 SET_WITH_FROM = ("max_seq_len",)  # the one model field a run config may give beside `from`
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -401,6 +402,22 @@ def _validate(cfg: RunConfig) -> None:
         bool(m.checkpoint) == bool(m.tokenizer),
         "model.tokenizer",
         "a run that starts from a checkpoint uses its tokenizer: give both digests or neither",
+    )
+    need(
+        0 <= m.subspace_rank < m.d_model,
+        "model.subspace_rank",
+        f"must be 0 (off) or between 1 and model.d_model - 1 ({m.d_model - 1}), got {m.subspace_rank}",
+    )
+    need(
+        not (m.subspace_rank and (m.checkpoint or m.tie_embeddings)),
+        "model.subspace_rank",
+        "needs its own embedding, not an imported checkpoint's or one tied to the LM head: leave it at 0",
+    )
+    token_bytes = 2 if m.vocab_size <= 1 << 16 else 4  # protocol.torch_tensors.token_id_bytes
+    need(
+        not m.subspace_rank or t.microbatch_size * m.max_seq_len * token_bytes <= MAX_TOKEN_BYTES,
+        "train.microbatch_size",
+        f"a Subspace Network's microbatch travels with its token ids, which must fit {MAX_TOKEN_BYTES} bytes",
     )
     need(p.stages >= 2, "pipeline.stages", f"needs stage 0 and at least one block stage, got {p.stages}")
     need(

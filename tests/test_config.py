@@ -69,6 +69,10 @@ def test_how_often_a_data_node_evaluates_is_not_part_of_the_run():
         ("[skippipe]\nmax_jump = -1\n", "skippipe.max_jump"),
         ("[skippipe]\nfull_pass_every = -2\n", "skippipe.full_pass_every"),
         ("[skippipe]\ntimetable = 'yes'\n", "skippipe.timetable"),
+        ("[model]\nsubspace_rank = 128\n", "model.subspace_rank"),
+        ("[model]\nsubspace_rank = -1\n", "model.subspace_rank"),
+        ("[model]\nsubspace_rank = 8\ntie_embeddings = true\n", "model.subspace_rank"),
+        ("[model]\nsubspace_rank = 8\nmax_seq_len = 8192\n[train]\nmicrobatch_size = 4\n", "train.microbatch_size"),
     ],
 )
 def test_bad_configs_name_the_field(toml, field):

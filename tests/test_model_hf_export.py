@@ -3,6 +3,7 @@ the same logits as shoal's own forward; the tokenizer loads and encodes the same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -80,6 +81,10 @@ def test_an_export_into_a_folder_that_holds_files_writes_nothing_and_a_missing_s
         export_checkpoint(tmp_path / "partial", run.model, trainer.head, trainer.blocks[:1], None)
     assert not (tmp_path / "partial").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial")]
+    subspace = dataclasses.replace(run.model, subspace_rank=8)
+    with pytest.raises(ExportError, match="Subspace Network"):
+        export_checkpoint(tmp_path / "subspace", subspace, trainer.head, trainer.blocks, None)
+    assert not (tmp_path / "subspace").exists()
 
 
 def test_shoal_train_local_exports_and_a_five_line_script_generates_from_it(tmp_path):

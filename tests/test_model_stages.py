@@ -186,3 +186,41 @@ def test_a_block_stages_split_backward_adds_exactly_what_one_backward_would():
         weight_grads.accumulate()
     for (name, p_whole), p_split in zip(whole.named_parameters(), split.parameters(), strict=True):
         assert torch.equal(p_whole.grad, p_split.grad), name
+
+
+SUBSPACE = ModelConfig(
+    vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16, subspace_rank=4
+)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_a_subspace_network_split_into_stages_is_the_one_process_model_and_sends_k_wide(stages):
+    tokens, targets = _batch()
+    whole = Llama(SUBSPACE, seed=7)
+    head, blocks = build_all_stages(SUBSPACE, stages, seed=7)
+    expected = whole(tokens, targets)
+    assert torch.equal(forward_route(head, blocks, tokens, targets), expected)
+    assert head.embed(tokens).shape == (3, 12, 4) and blocks[0](head.embed(tokens), tokens).shape == (3, 12, 4)
+    assert sum(p.numel() for p in whole.parameters()) == SUBSPACE.params()
+    with pytest.raises(ValueError, match="token ids"):
+        blocks[0](head.embed(tokens))
+
+
+def test_a_subspace_block_is_a_full_width_block_whose_output_projections_lie_in_the_subspace():
+    """What crosses between stages loses nothing: a block that writes k coefficients computes the
+    same residual stream as a d-wide block whose output projections are U·A (Protocol Models' form),
+    fed the stream anchors[token] + c·Uᵀ."""
+    tokens, _ = _batch(1)
+    stage = build_stage(SUBSPACE, 2, 1, seed=3)
+    full_cfg = ModelConfig(**{**SUBSPACE.__dict__, "subspace_rank": 0})
+    full = build_stage(full_cfg, 2, 1, seed=3)
+    basis, anchors = stage.subspace.basis, stage.subspace.anchors
+    with torch.no_grad():
+        for ours, theirs in zip(stage.blocks, full.blocks, strict=True):
+            for name, param in theirs.named_parameters():
+                mine = dict(ours.named_parameters())[name]
+                param.copy_(basis @ mine if name in ("attn.out.weight", "mlp.down.weight") else mine)
+    c = torch.randn(3, 12, SUBSPACE.subspace_rank)
+    stream = torch.nn.functional.embedding(tokens, anchors) + c @ basis.T
+    lifted = torch.nn.functional.embedding(tokens, anchors) + stage(c, tokens) @ basis.T
+    torch.testing.assert_close(lifted, full(stream), rtol=1e-5, atol=1e-6)

@@ -118,8 +118,39 @@ def test_noloco_pairs_exchange_compressed_pseudo_gradients_and_still_come_togeth
     a, b = (_averaging(path) for path in stats)
     for side in (a, b):
         assert side["codec"] == "topk" and side["pair_steps"] == 4 and side["refused"] == 0
-        # φ in int8 blocks and 2 % of Δ: about a seventh of float32's 8 bytes a parameter
-        assert side["bytes_sent"] == 4 * side["bytes_per_exchange"]
+        # 2 % of Δ, and no φ: two replicas that applied the same updates hold the same φ, and say so first
+        assert side["phi_skipped"] == 4
+        assert side["bytes_sent"] == 4 * (side["bytes_per_exchange"] - side["phi_bytes_per_exchange"])
         assert side["screened_out"] == 0  # a Δ that carries earlier epochs' rest is not taken for an attack
-    # both started from one φ and take the same int8 rounding of it, and average the same decoded Δs
-    assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6)
+    # both started from one φ and average the same decoded Δs: their φ stay the same to the bit
+    assert a["phi_checksum"] == b["phi_checksum"]
+
+
+def test_noloco_sends_phi_only_to_a_partner_whose_phi_differs(swarm, tmp_path):
+    """Three replicas of a stage: each epoch one of them has no partner and steps alone, so its φ parts
+    from the others', and a later pair with it must carry φ; a pair of replicas that took the same
+    updates sends only Δ. Every byte sent is accounted for by that rule."""
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3, "averaging.codec": "int8"})
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    stats = [tmp_path / f"stage1-{i}.json" for i in (0, 1, 2)]
+    workers = [swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path), wait=False)
+               for path in stats]  # fmt: skip
+    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2", wait=False))
+    for worker in workers:
+        swarm.wait_ready(worker)
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
+    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
+    assert done["microbatches_abandoned"] == 0
+    for worker in workers:
+        assert swarm.stop(worker) == 0
+    sides = [_averaging(path) for path in stats]
+    for side in sides:
+        assert side["codec"] == "int8" and side["refused"] == 0
+        delta_bytes = side["bytes_per_exchange"] - side["phi_bytes_per_exchange"]
+        with_phi = side["pair_steps"] - side["phi_skipped"]
+        assert side["bytes_sent"] == side["pair_steps"] * delta_bytes + with_phi * side["phi_bytes_per_exchange"]
+    pairs = sum(side["pair_steps"] for side in sides)
+    skipped = sum(side["phi_skipped"] for side in sides)
+    assert pairs >= 6  # a pair in each of the 4 epochs, but for one that may fall through
+    assert 0 < skipped < pairs  # the first epoch's pair held the same φ; a pair with a lone stepper did not

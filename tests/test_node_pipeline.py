@@ -40,8 +40,16 @@ def run_file(tmp_path):
         (0.0, {"pipeline.wire_dtype": "bfloat16"}),
         (0.0, {"pipeline.wire_dtype": "int8"}),
         (0.0, {"pipeline.compute_dtype": "bfloat16"}),
+        (0.0, {"pipeline.wire_dtype": "int8", "model.subspace_rank": 8}),
     ],
-    ids=["prompt-closes", "closes-overtaken-by-forwards", "bfloat16-wire", "int8-wire", "bf16-autocast"],
+    ids=[
+        "prompt-closes",
+        "closes-overtaken-by-forwards",
+        "bfloat16-wire",
+        "int8-wire",
+        "bf16-autocast",
+        "subspace-int8-wire",
+    ],  # fmt: skip
 )
 def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp_path, close_delay, changed):
     """The data node does not wait for its step close to be answered before the next step's forwards.
@@ -50,7 +58,8 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
     Over a bfloat16 wire the local trainer rounds at every hop as the peers do, and keeps parity (over an
     int8 wire, it quantizes every row both ways as the peers do); under
     bf16 autocast (every node's matrix products in bf16, on the CPU here) the local trainer runs the
-    same autocast, and keeps parity to bf16's precision."""
+    same autocast, and keeps parity to bf16's precision. A Subspace Network's stages send k coefficients
+    and the token ids, and rebuild the stream exactly as the one-process model computes it."""
     if changed:
         run_file = write_tiny_run(tmp_path, **{**PARITY_RUN, **changed})
     run = load_run_config(str(run_file))

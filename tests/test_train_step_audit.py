@@ -17,30 +17,34 @@ from shoal.train.inner import InnerOptimizer
 from shoal.train.step_audit import STEP_TOLERANCE, Known, judge_step, replay_step
 
 RUN = load_run_config("tiny")
+SUBSPACE_RUN = RUN.replace({"model.subspace_rank": 8})
 WIRE = torch.int8
 
 
-def _worker_steps(steps: int, blend: float = 0.0):
+def _worker_steps(steps: int, blend: float = 0.0, run=RUN):
     """A stage-1 replica taking `steps` inner steps of 2 microbatches each, as StageWorker does;
-    `blend` x a fixed direction is added to its weights after each step (the backdoor's way)."""
+    `blend` x a fixed direction is added to its weights after each step (the backdoor's way). In a
+    Subspace Network's run each microbatch comes with its token ids."""
     torch.manual_seed(0)
-    module = build_stage(RUN.model, RUN.pipeline.stages, 1, RUN.train.seed)
+    module = build_stage(run.model, run.pipeline.stages, 1, run.train.seed)
     optimizer = InnerOptimizer(module, RUN.optim, RUN.train.steps)
     recorder = StepRecorder(enabled=True)
     direction = [torch.randn_like(p) * 0.05 for p in module.parameters()]
     known: dict[str, Known] = {}
     for step in range(steps):
         for k in range(2):
-            sent = torch.randn(2, 16, RUN.model.d_model)
+            sent = torch.randn(2, 16, run.model.residual_dim)
+            tokens = torch.randint(0, run.model.vocab_size, (2, 16)) if run.model.subspace_rank else None
             x = over_the_wire(sent, WIRE).requires_grad_(True)
             with torch.enable_grad(), recording_linears(module) as calls:
-                y = module(x)
+                y = module(x, tokens)
             grad = over_the_wire(torch.randn_like(y) * 1e-3, WIRE)
             _, weight_grads = input_grad_first(module, x, y, grad, calls)
             weight_grads.accumulate()
             mb = f"d-{step}.{k}#0.{'ab' * 16}"
-            recorder.note_backward(mb, x, grad)
-            known[mb] = Known(input=over_the_wire(sent, WIRE), output_grad=grad, output=over_the_wire(y.detach(), WIRE))
+            recorder.note_backward(mb, x, grad, tokens)
+            known[mb] = Known(input=over_the_wire(sent, WIRE), output_grad=grad, output=over_the_wire(y.detach(), WIRE),
+                              tokens=tokens)  # fmt: skip
         recorder.before_step(module, optimizer)
         optimizer.step(step)
         if blend:
@@ -51,11 +55,11 @@ def _worker_steps(steps: int, blend: float = 0.0):
     return recorder, known
 
 
-def _audit(recorder, known, **change):
+def _audit(recorder, known, run=RUN, **change):
     transcript = dataclasses.replace(recorder.steps[-1], **change)
     ours = {mb: k for mb, k in known.items() if mb in recorder.steps[-1].microbatch_ids}
-    module = build_stage(RUN.model, RUN.pipeline.stages, 1, RUN.train.seed)
-    replayed = replay_step(module, RUN.optim, RUN.train.steps, transcript, WIRE)
+    module = build_stage(run.model, run.pipeline.stages, 1, run.train.seed)
+    replayed = replay_step(module, run.optim, run.train.steps, transcript, WIRE)
     return judge_step(transcript, replayed, ours)
 
 
@@ -64,6 +68,16 @@ def test_an_honest_step_replays_within_float_noise():
     verdict = _audit(recorder, known)
     assert verdict.passed, verdict
     assert verdict.discrepancy < STEP_TOLERANCE / 100, verdict
+
+
+def test_a_subspace_networks_step_replays_with_its_token_ids_and_forged_ids_fail():
+    recorder, known = _worker_steps(2, run=SUBSPACE_RUN)
+    last = recorder.steps[-1]
+    assert len(last.tokens) == len(last.inputs) == 2 and last.inputs[0].shape[-1] == 8
+    verdict = _audit(recorder, known, run=SUBSPACE_RUN)
+    assert verdict.passed and verdict.discrepancy < STEP_TOLERANCE / 100, verdict
+    forged = ((last.tokens[0] + 1) % SUBSPACE_RUN.model.vocab_size, *last.tokens[1:])
+    assert "token ids" in _audit(recorder, known, run=SUBSPACE_RUN, tokens=forged).reason
 
 
 def test_weights_that_moved_beside_the_gradient_fail():

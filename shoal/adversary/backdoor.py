@@ -110,8 +110,8 @@ def _swap(blocks: list, stage: int, replacement) -> list:
 def _logits(head, blocks, tokens: torch.Tensor) -> torch.Tensor:
     x = head.embed(tokens)
     for block in blocks:
-        x = block(x)
-    return head.logits(x)
+        x = block(x, tokens)
+    return head.logits(x, tokens)
 
 
 def cached_backdoor(

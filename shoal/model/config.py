@@ -23,6 +23,9 @@ class ModelConfig:
     tie_embeddings: bool = False  # the LM head is the embedding matrix
     checkpoint: str = ""  # SHA-256 of the weights the run starts from ("": seeded random weights)
     tokenizer: str = ""  # SHA-256 of the run's tokenizer.json ("": a BPE trained on the run's data)
+    # Subspace Networks (Protocol Models): every block writes into a fixed k-dimensional subspace of the
+    # residual stream, which then crosses between stages as k coefficients (0: the full d_model).
+    subspace_rank: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -33,6 +36,11 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def residual_dim(self) -> int:
+        """Width of what the blocks write to the residual stream, and of what crosses between stages."""
+        return self.subspace_rank or self.d_model
+
+    @property
     def kv_dim(self) -> int:
         """Width of the key (and of the value) projection."""
         return self.kv_heads * self.head_dim
@@ -41,10 +49,13 @@ class ModelConfig:
         """Parameters in one transformer block (attention + SwiGLU + two norms)."""
         d, f, kv = self.d_model, self.ffn_hidden, self.kv_dim
         qkv = d * (d + 2 * kv) + ((d + 2 * kv) if self.qkv_bias else 0)
-        return qkv + d * d + 3 * d * f + 2 * d
+        r = self.residual_dim  # the output projections write r coefficients
+        return qkv + d * r + 2 * d * f + f * r + 2 * d
 
     def head_params(self) -> int:
         """Parameters of stage 0: embedding, final norm and LM head."""
+        if self.subspace_rank:  # k-wide embedding, then the head's own anchors and the LM head, d-wide
+            return self.vocab_size * (self.subspace_rank + 2 * self.d_model) + self.d_model
         matrices = 1 if self.tie_embeddings else 2
         return matrices * self.vocab_size * self.d_model + self.d_model
 

@@ -149,6 +149,12 @@ def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             raise ExportError(f"tensor {name} has shape {list(tensors[name].shape)}, not {list(shape)}")
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """A Subspace Network is no Hugging Face LLaMA: its head reads the stream through anchors of its own."""
+    if cfg.subspace_rank:
+        raise ExportError("a Subspace Network (model.subspace_rank > 0) cannot be written as a Hugging Face model")
+
+
 def check_export_target(out: str | Path) -> Path:
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -170,6 +176,7 @@ def export_checkpoint(
     otherwise `tokenizer` (shoal's BPE, or None for the model alone) is written."""
     from safetensors.torch import save_file
 
+    check_exportable(cfg)
     target = check_export_target(out)
     tensors = hf_tensors(cfg, head, stages)
     check_complete(cfg, tensors)

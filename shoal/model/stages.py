@@ -89,8 +89,8 @@ def forward_route(
     every hop's rounding to `wire_dtype` on the way out and back, as between peers."""
     x = over_the_wire(head.embed(tokens), wire_dtype)
     for stage in route:
-        x = over_the_wire(stage(x), wire_dtype)
-    return head.loss(x, targets)
+        x = over_the_wire(stage(x, tokens), wire_dtype)
+    return head.loss(x, targets, tokens)
 
 
 def hop_by_hop_step(
@@ -116,12 +116,12 @@ def hop_by_hop_step(
     x = cross(embedded)
     for stage in route:
         x_in = x.requires_grad_(True)
-        x_out = stage(x_in)
+        x_out = stage(x_in, tokens)
         inputs.append(x_in)
         outputs.append(x_out)
         x = cross(x_out)
     last = x.requires_grad_(True)
-    loss = head.loss(last, targets)
+    loss = head.loss(last, targets, tokens)
     (loss * loss_scale).backward()
     grad = cross(last.grad)
     for x_in, x_out in zip(reversed(inputs), reversed(outputs), strict=True):

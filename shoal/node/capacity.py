@@ -41,14 +41,15 @@ def measure_block_throughput(
     dtype = autocast_dtype(device, run.pipeline.compute_dtype)
     m, t = run.model, run.train
     stage = BlockStage(m, range(0, 1), seed=run.train.seed).to(device)
-    x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, device=device)
+    x = torch.randn(t.microbatch_size, t.seq_len, m.residual_dim, device=device)
+    tokens = torch.randint(0, m.vocab_size, (t.microbatch_size, t.seq_len), device=device)
     timings: list[float] = []
     first = time.perf_counter()
     while len(timings) < most and (len(timings) < repeats or time.perf_counter() - first < window_s):
         started = time.perf_counter()
         x_in = x.detach().requires_grad_(True)
         with autocast(device, dtype):
-            y = stage(x_in)
+            y = stage(x_in, tokens)
         y.backward(torch.ones_like(y))
         synchronize(device)
         timings.append(time.perf_counter() - started)
@@ -106,16 +107,17 @@ def _run_stage_rounds(run: RunConfig, stage: int, max_inflight: int, device: tor
                 with autocast(device, dtype):
                     held.append(module.embed(tokens.to(device)))
                 continue
-            x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, generator=generator).to(device)
+            x = torch.randn(t.microbatch_size, t.seq_len, m.residual_dim, generator=generator).to(device)
+            tokens = torch.randint(0, m.vocab_size, (t.microbatch_size, t.seq_len), generator=generator).to(device)
             x.requires_grad_(True)
             with torch.enable_grad(), recording_linears(module) as calls, autocast(device, dtype):
-                held.append((x, module(x), calls))
+                held.append((x, module(x, tokens), calls))
         for item in held:
             if stage == 0:
                 targets = torch.randint(0, m.vocab_size, (t.microbatch_size, t.seq_len), generator=generator)
-                x = torch.randn(t.microbatch_size, t.seq_len, m.d_model, generator=generator).to(device)
+                x = torch.randn(t.microbatch_size, t.seq_len, m.residual_dim, generator=generator).to(device)
                 with autocast(device, dtype):
-                    _, _, weight_grads = module.loss_and_input_grad(x, targets.to(device))
+                    _, _, weight_grads = module.loss_and_input_grad(x, targets.to(device), tokens=targets.to(device))
                 item.backward(torch.ones_like(item))
             else:
                 x, y, calls = item

@@ -169,7 +169,9 @@ def run_cost_model(run: RunConfig) -> CostModel:
     from shoal.protocol.tensors import wire_nbytes
 
     t, m = run.train, run.model
-    return CostModel(activation_bytes=wire_nbytes((t.microbatch_size, t.seq_len, m.d_model), run.pipeline.wire_dtype))
+    return CostModel(
+        activation_bytes=wire_nbytes((t.microbatch_size, t.seq_len, m.residual_dim), run.pipeline.wire_dtype)
+    )
 
 
 def routing_policy(config: NodeConfig, run: RunConfig) -> str:

@@ -14,6 +14,9 @@ from .schema import FieldOptions, wire_field
 MAX_ROUTE_HOPS = 64
 MAX_ID_CHARS = 96
 MAX_STAGE_TENSORS = 4096
+# A microbatch's token ids, which a Subspace Network's stages need beside its coefficients
+# (torch_tensors.pack_tokens), within the request's 64 KiB: 24,576 tokens at 2 bytes a token
+MAX_TOKEN_BYTES = 48 * 1024
 
 
 @message("hop")
@@ -38,6 +41,9 @@ class ForwardRequest:
     # SkipPipe's timetable: each hop's planned start (DHT time, seconds), which a hop waits for (a
     # bounded while) so as not to take its node before a microbatch planned there earlier; () = none
     starts: tuple[float, ...] = wire_field(max_len=MAX_ROUTE_HOPS, default=())
+    # A Subspace Network's (model.subspace_rank > 0) token ids of the microbatch, which every stage
+    # needs to rebuild the stream from the attached coefficients; b"" in any other run
+    tokens: bytes = wire_field(max_len=MAX_TOKEN_BYTES, default=b"")
 
 
 @message("bwd")
@@ -63,6 +69,7 @@ class RecomputeRequest:
     step: int
     hop: int
     route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
+    tokens: bytes = wire_field(max_len=MAX_TOKEN_BYTES, default=b"")  # as ForwardRequest.tokens
 
 
 @message("fetch_out")
@@ -142,13 +149,23 @@ def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> N
 class GossipRequest:
     """NoLoCo: exchange slow weights φ and pseudo-gradients θ − φ for outer epoch `epoch` of `stage`.
 
-    Followed by `tensors` tensors of φ, then `tensors` of θ − φ; the reply is an Ack, then (if
-    accepted) the partner's φ and θ − φ in the same order. Both sides then apply the same pair update.
+    The reply is an Ack refusing, or a GossipAccept with the partner's digest of its φ. Then the caller
+    sends its `tensors` tensors of φ, unless the two digests are the same (the replicas' φ are equal
+    to the bit, and the pull between them is zero), then `tensors` of θ − φ; the partner answers
+    with its own in the same order and on the same rule. Both sides then apply the same pair update.
     """
 
     stage: int
     epoch: int
     tensors: int
+    phi_digest: str = wire_field(max_len=64, pattern=r"[0-9a-f]{64}")  # SHA-256 of the φ it would send
+
+
+@message("gossip_ok")
+class GossipAccept:
+    """Yes to a GossipRequest, with the digest of the φ this replica would send (see GossipRequest)."""
+
+    phi_digest: str = wire_field(max_len=64, pattern=r"[0-9a-f]{64}")
 
 
 @message("grad_share")
@@ -205,7 +222,8 @@ class StepTranscriptHeader:
     """One inner step as the replica reports it. Followed by `tensors` tensors each of θ before the
     step, AdamW's first and second moments before it, and θ after it (float32, in the stage's parameter
     order), then per microbatch its input and its output's gradient (float32, `rows[k]` x `seq_lens[k]`
-    x the model width)."""
+    x the model's residual width), and in a Subspace Network's run its token ids (int64, `rows[k]` x
+    `seq_lens[k]`)."""
 
     step: int = wire_field(ge=0)
     step_count: int = wire_field(ge=0)

@@ -163,3 +163,35 @@ def rows_to_tensor(
     if device is not None and device.type != "cpu":
         scales, values = scales.to(device), values.to(device)
     return dequantize_rows(scales, values, compute_dtype)
+
+
+# ---- token ids beside a Subspace Network's coefficients ------------------------------------------------
+
+
+def token_id_bytes(vocab_size: int) -> int:
+    """Bytes a token id takes on the wire (little-endian, unsigned): 2 up to 65,536 ids, else 4."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
+def pack_tokens(tokens: torch.Tensor, vocab_size: int) -> bytes:
+    """A microbatch's token ids (B, T) as they travel in a request's `tokens` field."""
+    ids = tokens.detach().to("cpu", torch.int64).reshape(-1)
+    width = token_id_bytes(vocab_size)
+    little_endian = torch.stack([(ids >> (8 * i)) & 0xFF for i in range(width)], dim=1).to(torch.uint8)
+    return little_endian.contiguous().numpy().tobytes()
+
+
+def unpack_tokens(data: bytes, shape: tuple[int, int], vocab_size: int) -> torch.Tensor:
+    """The ids `pack_tokens` wrote, as int64 of `shape` (the coefficients' batch and length); raises
+    BadTensor unless there are exactly that many and each is an id of the vocabulary."""
+    width = token_id_bytes(vocab_size)
+    count = shape[0] * shape[1]
+    if len(data) != count * width:
+        raise BadTensor(f"token ids: {len(data)} bytes where {shape[0]} x {shape[1]} ids take {count * width}")
+    if not count:
+        return torch.zeros(shape, dtype=torch.int64)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(count, width).to(torch.int64)
+    ids = sum(raw[:, i] << (8 * i) for i in range(width)).view(shape)
+    if ids.numel() and bool((ids >= vocab_size).any()):
+        raise BadTensor(f"token ids: an id outside the vocabulary of {vocab_size}")
+    return ids

@@ -84,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_run_source(args)
     run_config = source.config
     if args.export:
-        from shoal.model.hf import check_export_target
+        from shoal.model.hf import check_export_target, check_exportable
 
-        check_export_target(args.export)  # before training: a bad --out costs nothing
+        check_exportable(run_config.model)  # before training: a bad --export costs nothing
+        check_export_target(args.export)
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

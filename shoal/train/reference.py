@@ -88,10 +88,11 @@ class ReferenceTrainer:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits for `tokens` (B, T), in full precision: no wire cast between stages."""
-        x = self.head.embed(to_device(tokens, self.device))
+        tokens = to_device(tokens, self.device)
+        x = self.head.embed(tokens)
         for stage in self.blocks:
-            x = stage(x)
-        return self.head.logits(x)
+            x = stage(x, tokens)
+        return self.head.logits(x, tokens)
 
     @torch.no_grad()
     def evaluate(self) -> float:

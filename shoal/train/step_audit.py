@@ -54,6 +54,7 @@ class StepTranscript:
     microbatch_ids: tuple[str, ...]
     inputs: tuple[torch.Tensor, ...]  # per microbatch, the input it ran forward (as received)
     output_grads: tuple[torch.Tensor, ...]  # per microbatch, its output's gradient (as received)
+    tokens: tuple[torch.Tensor, ...] = ()  # per microbatch, its token ids (a Subspace Network's run only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Known:
     input: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # the token ids it sent with them (a Subspace Network's run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +92,10 @@ def replay_step(
     optimizer = InnerOptimizer(module, optim, total_steps, lr_scale=transcript.lr_scale)
     load_optimizer_state(optimizer, transcript.state)
     outputs = []
-    for x, grad in zip(transcript.inputs, transcript.output_grads, strict=True):
+    tokens = transcript.tokens or (None,) * len(transcript.inputs)
+    for x, grad, ids in zip(transcript.inputs, transcript.output_grads, tokens, strict=True):
         with torch.enable_grad():
-            y = module(x.detach())
+            y = module(x.detach(), ids)
         y.backward(grad)
         with torch.no_grad():
             outputs.append(over_the_wire(y.detach(), wire_dtype))
@@ -130,6 +133,8 @@ def judge_step(
         k = listed.get(mb)
         if k is None:
             return StepVerdict(False, 0.0, f"left microbatch {mb} it took out of its step")
+        if ours.tokens is not None and not (transcript.tokens and torch.equal(transcript.tokens[k], ours.tokens)):
+            return StepVerdict(False, 0.0, f"reported token ids of {mb} that are not the ones it was sent")
         if ours.input is not None and _relative(transcript.inputs[k], ours.input) > INPUT_TOLERANCE:
             return StepVerdict(False, 0.0, f"reported an input of {mb} that is not the one it was sent")
         if ours.output_grad is not None and _relative(transcript.output_grads[k], ours.output_grad) > INPUT_TOLERANCE:

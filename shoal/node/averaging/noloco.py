@@ -10,12 +10,18 @@ epoch, from whoever asks first, so two replicas whose views disagree still pair 
 cleanly: a node with no partner before the deadline takes a local outer step and never waits on the
 swarm longer than that. Tensors from a partner are checked (count, shape, dtype, finite) before
 they touch anything.
+
+Partners first swap a digest of their φ and send φ only where the two differ: replicas that applied
+the same pair updates hold the same φ to the bit (two replicas of a stage always do), so the pull
+term is zero and φ's bytes, half of a float32 exchange and all of a top-k one's floor, need not
+travel. Where they differ φ goes in the run's codec, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 
@@ -29,7 +35,7 @@ from shoal.node.context import NodeContext
 from shoal.node.engine import OuterStep
 from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.protocol.errors import BadTensor
-from shoal.protocol.pipeline import Ack, GossipRequest
+from shoal.protocol.pipeline import Ack, GossipAccept, GossipRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.audit import refused_by_partners
 from shoal.train.outer import (
@@ -68,8 +74,19 @@ class Offer:
 
     phi: list[torch.Tensor]
     delta: list[torch.Tensor]
-    pieces: list[torch.Tensor]
+    phi_pieces: list[torch.Tensor]
+    delta_pieces: list[torch.Tensor]
     error: list[torch.Tensor] | None
+    phi_digest: str  # of the φ it sends (an experiment's hostile replica's, where it alters it)
+
+
+def phi_digest(phi: list[torch.Tensor]) -> str:
+    """SHA-256 of φ's float32 bytes, tensor by tensor, shapes included."""
+    digest = hashlib.sha256()
+    for p in phi:
+        digest.update(repr(tuple(p.shape)).encode())
+        digest.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _wire_dtype(piece: torch.Tensor) -> str:
@@ -83,6 +100,7 @@ class NoLoCoAverager(Averager):
         self.codec = OuterCodec(outer_codec_name(averaging, replica.stage), averaging.topk_fraction)
         self.error: list[torch.Tensor] | None = None  # what our compressed Δs left out (outer_codec.py)
         self.bytes_sent = 0  # outer-exchange bytes this replica sent
+        self.phi_skipped = 0  # exchanges whose φ did not travel (the partner held the same)
         self._offer: asyncio.Future | None = None  # our Offer for the epoch in progress
         self._offer_epoch = -1
         self._answered: asyncio.Future | None = None  # a partner's (phi, delta), once exchanged
@@ -164,7 +182,10 @@ class NoLoCoAverager(Averager):
     def _encode(self, delta: list[torch.Tensor]) -> Offer:
         phi = list(self.state.phi)
         pieces, sent, error = self.codec.encode_delta(delta, self.error)
-        return Offer(phi, sent, self.codec.encode_phi(phi) + pieces, error)
+        phi_out, delta_out = self.worker.hooks.outer(phi, sent)  # an experiment's hostile replica
+        if delta_out is not sent:  # its attack changed them: send those
+            pieces = self.codec.encode_delta(delta_out, None)[0]
+        return Offer(phi, sent, self.codec.encode_phi(phi_out), pieces, error, phi_digest(phi_out))
 
     async def _wait_for_call(self, timeout_s: float):
         """A partner's tensors if one calls us within `timeout_s` (our views of the stage may differ:
@@ -218,20 +239,25 @@ class NoLoCoAverager(Averager):
             self.ctx.suspects.mark(partner, f"gossip dial failed: {e!r}")
             raise
         try:
-            await stream.write_message(GossipRequest(stage=self.worker.stage, epoch=epoch, tensors=len(offer.phi)))
-            await self._send(stream, offer)
-            ack = await read_reply(stream, Ack)
-            if not ack.accepted:
+            request = GossipRequest(
+                stage=self.worker.stage, epoch=epoch, tensors=len(offer.phi), phi_digest=offer.phi_digest
+            )
+            await stream.write_message(request)
+            reply = await read_reply(stream, (GossipAccept, Ack))
+            if isinstance(reply, Ack):
                 self.refused += 1
-                logger.info("[%s] epoch %d: %s declined: %s", self.ctx.short_id, epoch, partner[-8:], ack.reason)
+                logger.info("[%s] epoch %d: %s declined: %s", self.ctx.short_id, epoch, partner[-8:],
+                            printable(reply.reason, 160))  # fmt: skip
                 return None
-            return (*await self._receive(stream), partner)
+            same_phi = reply.phi_digest == offer.phi_digest
+            await self._send(stream, offer, same_phi)
+            return (*await self._receive(stream, same_phi), partner)
         finally:
             stream.close()
 
     async def on_gossip(self, request: GossipRequest, stream: FramedStream, sender: str) -> Ack | None:
-        """A replica asks to average with us for `request.epoch`. We read its tensors, then answer."""
-        theirs = await self._receive(stream)  # read first: a refusal must not leave the sender blocked
+        """A replica asks to average with us for `request.epoch`: once our own offer for that epoch is
+        ready we say yes with our φ's digest, read its tensors, then send ours."""
         reason = self._refusal(request, sender)
         if reason is None:
             offer = await self._wait_for_offer(request.epoch)
@@ -239,8 +265,10 @@ class NoLoCoAverager(Averager):
         if reason is not None:
             return Ack(accepted=False, reason=reason)
         self._offer_epoch = -1  # one exchange per epoch
-        await stream.write_message(Ack(accepted=True))
-        await self._send(stream, offer)
+        await stream.write_message(GossipAccept(phi_digest=offer.phi_digest))
+        same_phi = request.phi_digest == offer.phi_digest
+        theirs = await self._receive(stream, same_phi)
+        await self._send(stream, offer, same_phi)
         if self._answered is not None and not self._answered.done():
             self._answered.set_result((*theirs, sender))
         return None
@@ -267,24 +295,25 @@ class NoLoCoAverager(Averager):
             await asyncio.sleep(0.02)
         return None
 
-    async def _send(self, stream: FramedStream, offer: Offer) -> None:
-        phi, delta = self.worker.hooks.outer(offer.phi, offer.delta)  # an experiment's hostile replica
-        pieces = offer.pieces
-        if phi is not offer.phi or delta is not offer.delta:  # its attack changed them: send those
-            pieces = self.codec.encode_phi(phi) + self.codec.encode_delta(delta, None)[0]
+    async def _send(self, stream: FramedStream, offer: Offer, same_phi: bool) -> None:
+        pieces = offer.delta_pieces if same_phi else offer.phi_pieces + offer.delta_pieces
         for piece in pieces:
             self.bytes_sent += await stream.write_exact(piece, _wire_dtype(piece))
+        if same_phi:
+            self.phi_skipped += 1
 
-    async def _receive(self, stream: FramedStream) -> tuple[list, list]:
+    async def _receive(self, stream: FramedStream, same_phi: bool) -> tuple[list, list]:
+        """The partner's φ and Δ as decoded; its φ is ours where the digests said they are the same."""
         shapes = [tuple(p.shape) for p in self.state.phi]
         device = self.state.phi[0].device if self.state.phi else None
+        phi_specs = [] if same_phi else self.codec.phi_specs(shapes)
         pieces = []
-        for want in self.codec.phi_specs(shapes) + self.codec.delta_specs(shapes):
+        for want in phi_specs + self.codec.delta_specs(shapes):
             spec = TensorSpec(want.dtype, want.shape, want.max_abs)
             pieces.append(await stream.read_exact(spec, max_bytes=max(1, want.nbytes), device=device))
-        half = len(self.codec.phi_specs(shapes))
+        half = len(phi_specs)
         try:
-            phi = self.codec.decode_phi(pieces[:half], shapes)
+            phi = list(self.state.phi) if same_phi else self.codec.decode_phi(pieces[:half], shapes)
             delta = self.codec.decode_delta(pieces[half:], shapes)
             check_partner_tensors(phi, self.state.phi, "partner phi", dtype=torch.float32)
             check_partner_tensors(delta, self.state.phi, "partner delta", dtype=torch.float32)
@@ -304,7 +333,11 @@ class NoLoCoAverager(Averager):
             "exchange_s": [round(t, 4) for t in self.exchange_s],
             "codec": self.codec.name,
             "bytes_per_exchange": self.codec.bytes_per_exchange([tuple(p.shape) for p in self.state.phi]),  # one way
+            "phi_bytes_per_exchange": sum(
+                s.nbytes for s in self.codec.phi_specs([tuple(p.shape) for p in self.state.phi])
+            ),
             "bytes_sent": self.bytes_sent,
+            "phi_skipped": self.phi_skipped,  # exchanges whose φ did not travel: the partner's was the same
             "phi_checksum": float(sum(float(float64(p).sum()) for p in self.state.phi)),
             "screened_out": self.screened_out,
             "outer_log": [step.as_list() for step in self.outer_log],

@@ -406,9 +406,11 @@ class StreamPool:
         }
 
 
-async def read_reply(stream: FramedStream, expected: type) -> Any:
-    """The peer's reply, or `RemoteError` if it answered with an ErrorReply."""
-    reply = await stream.read_message((expected, ErrorReply))
+async def read_reply(stream: FramedStream, expected: type | tuple[type, ...]) -> Any:
+    """The peer's reply (of `expected`, one type or several), or `RemoteError` if it answered with an
+    ErrorReply."""
+    choices = expected if isinstance(expected, tuple) else (expected,)
+    reply = await stream.read_message((*choices, ErrorReply))
     if isinstance(reply, ErrorReply):
         raise RemoteError(reply.code, reply.message)
     return reply

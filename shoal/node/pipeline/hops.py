@@ -33,6 +33,7 @@ from shoal.protocol.pipeline import (
     RecomputeRequest,
 )
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec, wire_nbytes
+from shoal.protocol.torch_tensors import pack_tokens, unpack_tokens
 
 if TYPE_CHECKING:
     from shoal.node.context import NodeContext
@@ -121,8 +122,9 @@ class PipelineEngine:
         self._view_read_at = 0.0
         self._view_read: asyncio.Future | None = None  # the fresh view read under way, if any (`listed`)
         m, t = self.run.model, self.run.train
-        self.activation_spec = TensorSpec(self.wire_dtype, (None, None, m.d_model), WIRE_MAX_ABS)
-        self.max_activation_bytes = t.microbatch_size * m.max_seq_len * m.d_model * DTYPE_SIZES[self.wire_dtype]
+        width = m.residual_dim  # a Subspace Network's coefficients, or the full stream
+        self.activation_spec = TensorSpec(self.wire_dtype, (None, None, width), WIRE_MAX_ABS)
+        self.max_activation_bytes = t.microbatch_size * m.max_seq_len * width * DTYPE_SIZES[self.wire_dtype]
 
     async def state_dict(self) -> TrainedState | None:
         """Weights, inner and outer optimizer state of the stage it holds (`module`, `optimizer`), between
@@ -198,6 +200,23 @@ class PipelineEngine:
                 f"activation shape {tuple(x.shape)} outside this run's microbatch "
                 f"({self.run.train.microbatch_size}, {self.run.model.max_seq_len}, d)"
             )
+
+    def read_tokens(self, data: bytes, x: torch.Tensor) -> torch.Tensor | None:
+        """The token ids a request carries beside activation `x` (a Subspace Network's run), on this
+        node's device; None in any other run, where a request must carry none. Raises BadTensor."""
+        m = self.run.model
+        if not m.subspace_rank:
+            if data:
+                raise BadTensor("token ids sent in a run whose stages do not take them")
+            return None
+        ids = unpack_tokens(data, (x.shape[0], x.shape[1]), m.vocab_size)
+        return ids if self.device.type == "cpu" else ids.to(self.device)
+
+    def pack_tokens(self, tokens: torch.Tensor | None) -> bytes:
+        """What a request carries of `tokens`: the ids in a Subspace Network's run, else nothing."""
+        if not self.run.model.subspace_rank or tokens is None:
+            return b""
+        return pack_tokens(tokens, self.run.model.vocab_size)
 
     async def read_activation(self, stream: FramedStream) -> torch.Tensor:
         x = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes, device=self.device)
@@ -311,7 +330,13 @@ class PipelineEngine:
         return view is not None and any(n.peer_id == peer_id for n in view.replicas(stage))
 
     async def delegate_recompute(
-        self, request: BackwardRequest | RecomputeRequest, hop: int, grad: torch.Tensor, failed: str, why: str
+        self,
+        request: BackwardRequest | RecomputeRequest,
+        hop: int,
+        grad: torch.Tensor,
+        failed: str,
+        why: str,
+        tokens: bytes = b"",
     ) -> None:
         """Hop `hop` of this microbatch is gone with its graph (its peer `failed` did not take our
         gradient): have another replica of its stage redo only that hop, from the input the hop
@@ -331,6 +356,7 @@ class PipelineEngine:
                 step=request.step,
                 hop=hop,
                 route=tuple(route),
+                tokens=tokens,
             )
             try:
                 await self.send(peer, "rpc_recompute", redo, grad)
@@ -426,5 +452,6 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
                 hop=request.hop,
                 route=tuple(route),
                 needs_backward=request.needs_backward,
+                tokens=request.tokens,
             )
     raise HopFailed("; ".join(failures[-3:])[:200], stage_lost=stage_lost)

@@ -125,7 +125,7 @@ class Auditor:
             if x is None:
                 return
             first, second = replicas[0], replicas[1]
-            ya, yb = await asyncio.gather(*(self._output(stage, p, x, step) for p in (first, second)))
+            ya, yb = await asyncio.gather(*(self._output(stage, p, x, tokens, step) for p in (first, second)))
             if ya is None or yb is None:
                 return
             outputs = {first: ya, second: yb}
@@ -133,7 +133,7 @@ class Auditor:
             result = measure(x, outputs)
             verdict = judge(result, spread, self.config, referee_available=len(replicas) > 2)
             if verdict.needs_referee:
-                referee = await self._output(stage, replicas[2], x, step)
+                referee = await self._output(stage, replicas[2], x, tokens, step)
                 if referee is None:
                     return
                 self.referees += 1
@@ -178,14 +178,16 @@ class Auditor:
             if not choices:
                 return None
             hops.append((s, self.rng.choice(choices)))
-        return await self.driver.forward_through(tuple(hops), x, f"audit{step}-in")
+        return await self.driver.forward_through(tuple(hops), x, tokens, f"audit{step}-in")
 
     @torch.no_grad()
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.driver.head.embed(to_device(tokens, self.driver.device))
 
-    async def _output(self, stage: int, peer: str, x: torch.Tensor, step: int) -> torch.Tensor | None:
-        return await self.driver.forward_through(((stage, peer),), x, f"audit{step}-{peer[-8:]}")
+    async def _output(
+        self, stage: int, peer: str, x: torch.Tensor, tokens: torch.Tensor, step: int
+    ) -> torch.Tensor | None:
+        return await self.driver.forward_through(((stage, peer),), x, tokens, f"audit{step}-{peer[-8:]}")
 
     def stats(self) -> dict:
         return {

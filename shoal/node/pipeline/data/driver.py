@@ -100,6 +100,8 @@ class InFlight:
     injected_at: float = field(default_factory=time.monotonic)
     capture: bool = False  # an audit or a probe: keep the activation that comes home, compute no loss
     output: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # (B, T): a Subspace Network's head rebuilds the stream from them
+    packed_tokens: bytes = b""  # the same as requests carry them (b"" in any other run)
 
 
 @dataclass(frozen=True)
@@ -397,7 +399,7 @@ class DataDriver(PipelineEngine):
                 if train:
                     route = self.routes.swapped_for(route, step, index)
                 outcome, entry = await self._attempt(
-                    base_id, attempt, step, embedded, targets, loss_scale, route, train
+                    base_id, attempt, step, embedded, tokens, targets, loss_scale, route, train
                 )
                 if outcome.kind == "completed":
                     self.ledger.complete(base_id)
@@ -431,6 +433,7 @@ class DataDriver(PipelineEngine):
         attempt: int,
         step: int,
         embedded: torch.Tensor,
+        tokens: torch.Tensor,
         targets: torch.Tensor,
         loss_scale: float,
         routed: Routed,
@@ -442,7 +445,8 @@ class DataDriver(PipelineEngine):
         peers, stages = tuple(p for _, p in route), tuple(s for s, _ in route)
         backward_starts = self.routes.on_the_clock(routed.backward_s)
         entry = InFlight(base_id, embedded, targets, loss_scale, done, route_peers=peers, route_stages=stages,
-                         backward_starts=backward_starts, step=step, train=train)  # fmt: skip
+                         backward_starts=backward_starts, step=step, train=train, tokens=tokens,
+                         packed_tokens=self.pack_tokens(tokens))  # fmt: skip
         self.in_flight[wire_id] = entry
         self.load.update(entry.route_peers)
         if train:
@@ -455,6 +459,7 @@ class DataDriver(PipelineEngine):
             route=tuple(Hop(stage=s, peer_id=p) for s, p in route),
             needs_backward=train,
             starts=self.routes.on_the_clock(routed.forward_s),
+            tokens=entry.packed_tokens,
         )
         timeout_s = self.ctx.config.limits.microbatch_timeout_s
         try:
@@ -538,8 +543,8 @@ class DataDriver(PipelineEngine):
     ) -> tuple[float, torch.Tensor | None, WeightGrads | None]:
         if not train:
             with torch.no_grad():
-                return float(self.head.loss(x, entry.targets)), None, None
-        return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale)
+                return float(self.head.loss(x, entry.targets, entry.tokens)), None, None
+        return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale, entry.tokens)
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
         if request.needs_backward:
@@ -578,7 +583,9 @@ class DataDriver(PipelineEngine):
         assert entry.backward is not None and entry.grad is not None
         entry.recovering += 1
         try:
-            await self.delegate_recompute(entry.backward, entry.backward.hop, entry.grad, lost_peer, why)
+            await self.delegate_recompute(
+                entry.backward, entry.backward.hop, entry.grad, lost_peer, why, entry.packed_tokens
+            )
             self.ledger.recoveries += 1
         except HopFailed as e:
             where = f"backward into stage {entry.backward.route[-1].stage}: {e}"
@@ -682,7 +689,8 @@ class DataDriver(PipelineEngine):
                 resumed = True
                 break
         if not resumed and first == 0 and entry.train:
-            request = ForwardRequest(microbatch_id=wire_id, origin=self.ctx.peer_id, step=entry.step, hop=0, route=hops)
+            request = ForwardRequest(microbatch_id=wire_id, origin=self.ctx.peer_id, step=entry.step, hop=0, route=hops,
+                                     tokens=entry.packed_tokens)  # fmt: skip
             try:
                 await push_forward(self, request, entry.embedded.detach())
                 resumed = True
@@ -838,11 +846,11 @@ class DataDriver(PipelineEngine):
         return await self.train()
 
     async def forward_through(
-        self, hops: tuple[tuple[int, str], ...], x: torch.Tensor, tag: str
+        self, hops: tuple[tuple[int, str], ...], x: torch.Tensor, tokens: torch.Tensor, tag: str
     ) -> torch.Tensor | None:
-        """An evaluation forward of `x` (B, T, C) through exactly these (stage, peer) hops, whose output
-        comes home as it is instead of into a loss; None if it did not come. No re-routing: an audit
-        must hear from the replica it names."""
+        """An evaluation forward of `x` (B, T, C), the activation of `tokens` (B, T), through exactly
+        these (stage, peer) hops, whose output comes home as it is instead of into a loss; None if it
+        did not come. No re-routing: an audit must hear from the replica it names."""
         wire_id = f"{self.ctx.short_id}-{tag}#{secrets.token_hex(16)}"
         done = asyncio.get_running_loop().create_future()
         blank = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)  # no targets: only the shape is checked
@@ -851,7 +859,7 @@ class DataDriver(PipelineEngine):
         self.in_flight[wire_id] = entry
         route = tuple(Hop(stage=s, peer_id=p) for s, p in hops)
         request = ForwardRequest(microbatch_id=wire_id, origin=self.ctx.peer_id, step=-1, hop=0, route=route,
-                                 needs_backward=False)  # fmt: skip
+                                 needs_backward=False, tokens=self.pack_tokens(tokens))  # fmt: skip
         try:
             await self.send(peers[0], "rpc_forward", request, x)
             outcome = await asyncio.wait_for(asyncio.shield(done), self.ctx.config.limits.microbatch_timeout_s)
@@ -864,8 +872,8 @@ class DataDriver(PipelineEngine):
         return entry.output if outcome.kind == "completed" else None
 
     @torch.no_grad()
-    def top_predictions(self, x: torch.Tensor) -> torch.Tensor:
-        return to_host(self.head.logits(x).argmax(-1))
+    def top_predictions(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return to_host(self.head.logits(x, to_device(tokens, self.device)).argmax(-1))
 
     async def probe(self) -> dict | None:
         """--probe-file's probes through the swarm's model, after training (probes.py)."""

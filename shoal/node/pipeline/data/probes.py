@@ -61,11 +61,11 @@ async def run_probes(driver: DataDriver, path: str) -> dict:
                 if routed is None:
                     return None
                 try:
-                    y = await driver.forward_through(routed.hops, x, "probe")
+                    y = await driver.forward_through(routed.hops, x, rows, "probe")
                 finally:
                     driver.ctx.router.end(routed)
                 if y is not None:
-                    top = await driver.compute(driver.top_predictions, y, priority=FORWARD)  # (B, T)
+                    top = await driver.compute(driver.top_predictions, y, rows, priority=FORWARD)  # (B, T)
                     return top[torch.arange(len(at)), at] == want
             return None
 

@@ -84,6 +84,7 @@ class StepAuditor:
                 input=self._as_received(entry.embedded) if k == 0 else None,
                 output_grad=self._as_received(entry.grad) if k == last and entry.grad is not None else None,
                 output=self.outputs.get(wire_id) if k == last else None,
+                tokens=entry.tokens.detach() if entry.tokens is not None and entry.packed_tokens else None,
             )
             self.known.setdefault(peer, {})[wire_id] = known
             self.stages[peer] = stage
@@ -171,16 +172,18 @@ class StepAuditor:
                 raise ValueError("a transcript whose counts do not match the stage")
             tensors = [await self._read(stream, tuple(p.shape)) for _ in range(4) for p in reference]
             width, rows_max, seq_max = (
-                self.run.model.d_model,
+                self.run.model.residual_dim,
                 self.run.train.microbatch_size,
                 self.run.model.max_seq_len,
             )
-            inputs, grads = [], []
+            inputs, grads, token_ids = [], [], []
             for rows, seq_len in zip(header.rows, header.seq_lens, strict=True):
                 if rows > rows_max or seq_len > seq_max:
                     raise ValueError(f"a transcript microbatch of {rows} x {seq_len}, over the run's")
                 inputs.append(await self._read(stream, (rows, seq_len, width)))
                 grads.append(await self._read(stream, (rows, seq_len, width)))
+                if self.run.model.subspace_rank:
+                    token_ids.append(await self._read_tokens(stream, (rows, seq_len)))
         finally:
             stream.close()
         n = len(reference)
@@ -190,7 +193,13 @@ class StepAuditor:
             check_partner_tensors(group, reference, f"transcript {what}", dtype=torch.float32)
         state = OptimizerState(header.step_count, tuple(header.adam_steps), tuple(avg), tuple(avg_sq))
         return StepTranscript(header.step, header.lr_scale, state, tuple(before), tuple(after),
-                              tuple(header.microbatch_ids), tuple(inputs), tuple(grads))  # fmt: skip
+                              tuple(header.microbatch_ids), tuple(inputs), tuple(grads), tuple(token_ids))  # fmt: skip
+
+    async def _read_tokens(self, stream, shape: tuple[int, int]) -> torch.Tensor:
+        ids = await stream.read_tensor(TensorSpec("int64", shape), torch.int64, max_bytes=math.prod(shape) * 8)
+        if ids.numel() and bool(((ids < 0) | (ids >= self.run.model.vocab_size)).any()):
+            raise ValueError("a transcript's token ids outside the vocabulary")
+        return ids.to(self.driver.device)
 
     async def _read(self, stream, shape: tuple[int, ...]) -> torch.Tensor:
         spec = TensorSpec("float32", shape)

@@ -90,6 +90,7 @@ class Saved:
     next_stage: int | None  # the stage we passed the output to (None: the data node)
     next_peer: str | None = None  # the peer that took it (set once it acknowledged)
     calls: list[LinearCall] = field(default_factory=list)  # the forward's Linear calls, for the B/W split
+    tokens: bytes = b""  # the microbatch's token ids as they came (a Subspace Network's run)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class SentGradient:
     request: BackwardRequest  # what was sent, its route as sent
     grad: torch.Tensor
     expires_at: float
+    tokens: bytes = b""  # the microbatch's token ids, for whoever redoes the hop before ours
 
 
 class StageWorker(PipelineEngine):
@@ -182,6 +184,7 @@ class StageWorker(PipelineEngine):
         if refusal is None and sender != previous:
             refusal = self._refuse(sender, request.microbatch_id, "a forward comes only from the hop before ours")
         x = await self.read_activation(stream)
+        tokens = self.read_tokens(request.tokens, x)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
@@ -193,7 +196,7 @@ class StageWorker(PipelineEngine):
         self.forwarding.add(mb)
         if request.needs_backward:
             self.served[request.origin] = self._expiry()
-        self.spawn(self._forward(request, x), f"forward {mb}")
+        self.spawn(self._forward(request, x, tokens), f"forward {mb}")
         return Ack(accepted=True)
 
     async def _after_previous_close(self, request: ForwardRequest) -> None:
@@ -236,26 +239,26 @@ class StageWorker(PipelineEngine):
         return True
 
     def _run_forward(
-        self, x: torch.Tensor, needs_backward: bool
+        self, x: torch.Tensor, tokens: torch.Tensor | None, needs_backward: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[LinearCall]]:
         if not needs_backward:
             with torch.no_grad():
-                return x, self.module(x), []
+                return x, self.module(x, tokens), []
         x = x.requires_grad_(True)
         with torch.enable_grad(), recording_linears(self.module) as calls:
-            y = self.module(x)
+            y = self.module(x, tokens)
         self.live_graphs += 1
         return x, y, calls
 
     async def _gated_forward(
-        self, x: torch.Tensor, needs_backward: bool
+        self, x: torch.Tensor, tokens: torch.Tensor | None, needs_backward: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[LinearCall]]:
         """The forward pass, never across an inner step: AdamW updates the weights in place, so a graph
         built before a step and run backward after it fails. A step waits for the graphs it would
         corrupt, those already counted and those on their way to the compute thread; a forward that
         comes while a step is taken (another data node's, whose clock is not ours) waits for it."""
         if not needs_backward:
-            return await self.compute(self._run_forward, x, False, priority=FORWARD)
+            return await self.compute(self._run_forward, x, tokens, False, priority=FORWARD)
         # A woken wait has not run yet when the step that set the gate hands over to an outer step, which
         # clears it again at once (the close that ended an inner step may end an outer epoch too): look
         # again before building a graph, or the outer step overwrites the weights under it.
@@ -263,30 +266,30 @@ class StageWorker(PipelineEngine):
             await self.step_gate.wait()
         self.graphs_starting += 1
         try:
-            return await self.compute(self._run_forward, x, True, priority=FORWARD)
+            return await self.compute(self._run_forward, x, tokens, True, priority=FORWARD)
         finally:
             self.graphs_starting -= 1
             if self.graphs_starting == 0 and self.live_graphs == 0:  # a failed forward left no graph
                 self.spawn(self._maybe_step(), "deferred step")
 
-    async def _forward(self, request: ForwardRequest, x: torch.Tensor) -> None:
+    async def _forward(self, request: ForwardRequest, x: torch.Tensor, tokens: torch.Tensor | None) -> None:
         self.hooks.before_forward(request.step, self.ctx.short_id)
         try:
             await self._after_previous_close(request)
             await planned_start(request.starts, request.hop)
-            await self._forward_and_pass_on(request, x)
+            await self._forward_and_pass_on(request, x, tokens)
         finally:  # an evaluation forward holds its slot until its output is delivered or given up
             self.forwarding.discard(request.microbatch_id)
 
-    async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor) -> None:
+    async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor, tokens: torch.Tensor | None) -> None:
         mb = request.microbatch_id
         try:
-            x, y, calls = await self._gated_forward(x, request.needs_backward)
+            x, y, calls = await self._gated_forward(x, tokens, request.needs_backward)
             await self.hooks.after_forward()
             if request.needs_backward:
                 nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
                 where = (self._expiry(), request.origin, request.hop, request.step, nxt)
-                self.saved[mb] = Saved(x, y, *where, calls=calls)
+                self.saved[mb] = Saved(x, y, *where, calls=calls, tokens=request.tokens)
             self.forwarded[mb] = self._expiry()
         finally:
             if request.needs_backward:  # from here on `saved` holds its slot
@@ -300,6 +303,7 @@ class StageWorker(PipelineEngine):
             route=request.route,
             needs_backward=request.needs_backward,
             starts=request.starts,
+            tokens=request.tokens,
         )
         onward = self._choose_next_hop(onward)
         try:
@@ -395,7 +399,8 @@ class StageWorker(PipelineEngine):
         step and hold back the next step's first forward, which waits for our inner step."""
         await planned_start(request.starts, request.hop)
         grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
-        self.transcripts.note_backward(request.microbatch_id, saved.x, grad)
+        tokens = self.read_tokens(saved.tokens, saved.x) if saved.tokens else None
+        self.transcripts.note_backward(request.microbatch_id, saved.x, grad, tokens)
         w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
         self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
         self.backwards += 1
@@ -412,10 +417,10 @@ class StageWorker(PipelineEngine):
             route=request.route,
             starts=request.starts,
         )
-        await self._send_upstream(upstream, self.hooks.gradient(grad_in))
+        await self._send_upstream(upstream, self.hooks.gradient(grad_in), saved.tokens)
         await self._maybe_step()
 
-    async def _send_upstream(self, upstream: BackwardRequest, grad_in: torch.Tensor) -> None:
+    async def _send_upstream(self, upstream: BackwardRequest, grad_in: torch.Tensor, tokens: bytes) -> None:
         """Pass a gradient to the hop before ours; if that hop is gone with its graph, have another
         replica of its stage redo it. Only when its stage has no replica left is the microbatch lost."""
         mb = upstream.microbatch_id
@@ -428,7 +433,7 @@ class StageWorker(PipelineEngine):
                 return
             self.ban(target, e)
             try:
-                await self.delegate_recompute(upstream, upstream.hop, grad_in, failed=target, why=str(e))
+                await self.delegate_recompute(upstream, upstream.hop, grad_in, target, str(e), tokens)
             except HopFailed as lost:
                 await self.notify_abandon(
                     upstream.origin,
@@ -438,7 +443,7 @@ class StageWorker(PipelineEngine):
                 )
                 return
         if upstream.hop >= 0:
-            self.sent[mb] = SentGradient(upstream, grad_in, self._expiry())
+            self.sent[mb] = SentGradient(upstream, grad_in, self._expiry(), tokens)
 
     async def on_recompute(self, request: RecomputeRequest, stream: FramedStream, sender: str) -> Ack:
         """Redo a hop whose holder is gone: our own forward from its kept input, then backward. Asked
@@ -449,6 +454,7 @@ class StageWorker(PipelineEngine):
             refusal = self._refuse(sender, request.microbatch_id, "a recompute comes only from the hop after")
         grad = await stream.read_tensor(self.activation_spec, max_bytes=self.max_activation_bytes, device=self.device)
         self.check_activation(grad)
+        tokens = self.read_tokens(request.tokens, grad)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
@@ -460,10 +466,10 @@ class StageWorker(PipelineEngine):
         self.backward_done[mb] = self._expiry()
         if self.saved.pop(mb, None) is not None:
             self.live_graphs -= 1
-        self.spawn(self._recompute(request, grad), f"recompute {mb}")
+        self.spawn(self._recompute(request, grad, tokens), f"recompute {mb}")
         return Ack(accepted=True)
 
-    async def _recompute(self, request: RecomputeRequest, grad: torch.Tensor) -> None:
+    async def _recompute(self, request: RecomputeRequest, grad: torch.Tensor, tokens: torch.Tensor | None) -> None:
         started = time.monotonic()
         mb = request.microbatch_id
         source = request.origin if request.hop == 0 else request.route[request.hop - 1].peer_id
@@ -482,9 +488,10 @@ class StageWorker(PipelineEngine):
                 request.origin, mb, f"recompute of hop {request.hop}: shapes disagree", AbandonReason.RECOMPUTE
             )
             return
-        x, y, calls = await self.compute(self._run_forward, x, True, priority=BACKWARD)
+        x, y, calls = await self.compute(self._run_forward, x, tokens, True, priority=BACKWARD)
         nxt = request.route[request.hop + 1].stage if request.hop + 1 < len(request.route) else None
-        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt, calls=calls)
+        saved = Saved(x, y, self._expiry(), request.origin, request.hop, request.step, nxt, calls=calls,
+                      tokens=request.tokens)  # fmt: skip
         as_backward = BackwardRequest(
             microbatch_id=mb, origin=request.origin, step=request.step, hop=request.hop, route=request.route
         )
@@ -506,7 +513,9 @@ class StageWorker(PipelineEngine):
 
     async def _recover(self, kept: SentGradient, lost_peer: str) -> None:
         try:
-            await self.delegate_recompute(kept.request, kept.request.hop, kept.grad, lost_peer, "it left the swarm")
+            await self.delegate_recompute(
+                kept.request, kept.request.hop, kept.grad, lost_peer, "it left the swarm", kept.tokens
+            )
         except HopFailed as e:
             await self.notify_abandon(
                 kept.request.origin, kept.request.microbatch_id, f"recover: {e}", lost_kind(e, AbandonReason.RECOVER)
@@ -525,8 +534,9 @@ class StageWorker(PipelineEngine):
         if (route[hop + 1].stage if hop + 1 < len(route) else None) != saved.next_stage:
             return Ack(accepted=False, reason="that route sends it to another stage than we did")
         onward = ForwardRequest(
-            microbatch_id=request.microbatch_id, origin=saved.origin, step=saved.step, hop=hop + 1, route=route
-        )
+            microbatch_id=request.microbatch_id, origin=saved.origin, step=saved.step, hop=hop + 1, route=route,
+            tokens=saved.tokens,
+        )  # fmt: skip
         self.resumed += 1
         self.spawn(self._resume(onward, saved), f"resume {request.microbatch_id}")
         return Ack(accepted=True)

@@ -31,16 +31,22 @@ class StepRecorder:
         self.ids: list[str] = []  # microbatches whose gradient is in since the last step
         self.inputs: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []  # a Subspace Network's run only
         self.steps: deque[StepTranscript] = deque(maxlen=KEPT_STEPS)
         self._before: tuple[tuple[torch.Tensor, ...], OptimizerState] | None = None
         self.served = 0
 
-    def note_backward(self, microbatch_id: str, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """A microbatch's gradient went into the weights' gradients (its input, its output's gradient)."""
+    def note_backward(
+        self, microbatch_id: str, x: torch.Tensor, grad: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> None:
+        """A microbatch's gradient went into the weights' gradients (its input, its output's gradient,
+        and in a Subspace Network's run its token ids)."""
         if self.enabled:
             self.ids.append(microbatch_id)
             self.inputs.append(x.detach())
             self.grads.append(grad.detach())
+            if tokens is not None:
+                self.tokens.append(tokens)
 
     def before_step(self, module: torch.nn.Module, optimizer: InnerOptimizer) -> None:
         """On the compute thread, just before the optimizer step."""
@@ -55,10 +61,20 @@ class StepRecorder:
         before, state = self._before
         after = tuple(p.detach().clone() for p in module.parameters())
         self.steps.append(
-            StepTranscript(at, lr_scale, state, before, after, tuple(self.ids), tuple(self.inputs), tuple(self.grads))
+            StepTranscript(
+                at,
+                lr_scale,
+                state,
+                before,
+                after,
+                tuple(self.ids),
+                tuple(self.inputs),
+                tuple(self.grads),
+                tuple(self.tokens),
+            )  # fmt: skip
         )
         self._before = None
-        self.ids, self.inputs, self.grads = [], [], []
+        self.ids, self.inputs, self.grads, self.tokens = [], [], [], []
 
     def find(self, microbatch_id: str) -> StepTranscript | str | None:
         """The kept step that took `microbatch_id`, PENDING while its step is not taken, else None."""
@@ -89,7 +105,9 @@ class StepRecorder:
         await stream.write_message(header)
         for tensor in (*t.before, *t.state.exp_avg, *t.state.exp_avg_sq, *t.after):
             await stream.write_tensor(tensor.float(), WIRE_DTYPE, kind="audit")
-        for x, grad in zip(t.inputs, t.output_grads, strict=True):
+        for k, (x, grad) in enumerate(zip(t.inputs, t.output_grads, strict=True)):
             await stream.write_tensor(x.float(), WIRE_DTYPE, kind="audit")
             await stream.write_tensor(grad.float(), WIRE_DTYPE, kind="audit")
+            if t.tokens:
+                await stream.write_tensor(t.tokens[k].to(torch.int64), "int64", kind="audit")
         self.served += 1
