@@ -1,9 +1,9 @@
 """Wire compression over a shaped link: what each activation/gradient codec saves in bytes, what it
 costs in loss at equal steps, and the speed a 100 Mbit/s, 30 ms link leaves (issue 32).
 
-    .venv/bin/python benchmarks/compression.py                 # tiny, 8 settings x 3 seeds, 60 steps: ~30 min
-    .venv/bin/python benchmarks/compression.py --run small --settings float32 "int8 + int8 outer" \
-        "subspace 8 + int8 + topk outer"                       # small, 3 settings x 3 seeds
+    .venv/bin/python benchmarks/compression.py                 # tiny, 9 settings x 3 seeds, 60 steps: ~30 min
+    .venv/bin/python benchmarks/compression.py --run small --settings "int8 + int8 outer" \
+        "subspace 16 + int8 + topk outer"                      # small, 3 settings x 3 seeds
     .venv/bin/python benchmarks/compression.py --seeds 0 --steps 20   # a quick look
 
 First the shaper itself (shoal/node/net/shaper.py; kernel netem is not available here): a bare framed
@@ -52,6 +52,7 @@ SETTINGS = {
     "int8 + int8 outer": ("int8", "int8", 0),
     "int8 + topk outer": ("int8", "topk", 0),
     "subspace 8": ("float32", "float32", 8),
+    "subspace 16 + int8 + topk outer": ("int8", "topk", 16),
     "subspace 8 + int8 + topk outer": ("int8", "topk", 8),
     "subspace 4 + int8 + topk outer": ("int8", "topk", 4),
 }
