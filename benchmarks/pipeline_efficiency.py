@@ -780,6 +780,7 @@ def main() -> int:
             "train.steps": args.steps,
             "averaging.mode": args.averaging,
             "pipeline.wire_dtype": args.wire_dtype or run.pipeline.wire_dtype,
+            **({"averaging.codec": "int8"} if args.averaging == "diloco" and run.averaging.codec == "topk" else {}),
         }
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:

@@ -188,9 +188,7 @@ def test_a_block_stages_split_backward_adds_exactly_what_one_backward_would():
         assert torch.equal(p_whole.grad, p_split.grad), name
 
 
-SUBSPACE = ModelConfig(
-    vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16, subspace_rank=4
-)
+SUBSPACE = ModelConfig(vocab_size=97, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64, max_seq_len=16, subspace_rank=4)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -100,10 +100,12 @@ def test_diloco_all_reduces_every_h_steps_through_hivemind_and_replicas_agree(sw
     assert a["phi_checksum"] == pytest.approx(b["phi_checksum"], rel=1e-6, abs=1e-6)
 
 
-def test_noloco_pairs_exchange_compressed_pseudo_gradients_and_still_come_together(swarm, tmp_path):
-    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3, "averaging.codec": "topk"})
+def _stage1_replicas(swarm, tmp_path, replicas: int, codec: str) -> list[dict]:
+    """12 steps, NoLoCo every 3, with `replicas` replicas of stage 1 and one of stage 2; the averaging
+    stats of stage 1's replicas, once every microbatch completed."""
+    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3, "averaging.codec": codec})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    stats = [tmp_path / f"stage1-{i}.json" for i in (0, 1)]
+    stats = [tmp_path / f"stage1-{i}.json" for i in range(replicas)]
     workers = [swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path), wait=False)
                for path in stats]  # fmt: skip
     workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2", wait=False))
@@ -115,7 +117,11 @@ def test_noloco_pairs_exchange_compressed_pseudo_gradients_and_still_come_togeth
     assert done["microbatches_abandoned"] == 0
     for worker in workers:
         assert swarm.stop(worker) == 0
-    a, b = (_averaging(path) for path in stats)
+    return [_averaging(path) for path in stats]
+
+
+def test_noloco_pairs_exchange_compressed_pseudo_gradients_and_still_come_together(swarm, tmp_path):
+    a, b = _stage1_replicas(swarm, tmp_path, 2, "topk")
     for side in (a, b):
         assert side["codec"] == "topk" and side["pair_steps"] == 4 and side["refused"] == 0
         # 2 % of Δ, and no φ: two replicas that applied the same updates hold the same φ, and say so first
@@ -130,21 +136,7 @@ def test_noloco_sends_phi_only_to_a_partner_whose_phi_differs(swarm, tmp_path):
     """Three replicas of a stage: each epoch one of them has no partner and steps alone, so its φ parts
     from the others', and a later pair with it must carry φ; a pair of replicas that took the same
     updates sends only Δ. Every byte sent is accounted for by that rule."""
-    run_file = write_tiny_run(tmp_path, **{"train.steps": 12, "averaging.inner_steps": 3, "averaging.codec": "int8"})
-    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    stats = [tmp_path / f"stage1-{i}.json" for i in (0, 1, 2)]
-    workers = [swarm.start_node([entry], "--role", "worker", "--stage", "1", "--stats-file", str(path), wait=False)
-               for path in stats]  # fmt: skip
-    workers.append(swarm.start_node([entry], "--role", "worker", "--stage", "2", wait=False))
-    for worker in workers:
-        swarm.wait_ready(worker)
-    progress = tmp_path / "progress.jsonl"
-    swarm.start_node([entry], "--role", "data", "--progress-file", str(progress))
-    done = wait_until(lambda: done_event(progress), 300, "the data node to finish")
-    assert done["microbatches_abandoned"] == 0
-    for worker in workers:
-        assert swarm.stop(worker) == 0
-    sides = [_averaging(path) for path in stats]
+    sides = _stage1_replicas(swarm, tmp_path, 3, "int8")
     for side in sides:
         assert side["codec"] == "int8" and side["refused"] == 0
         delta_bytes = side["bytes_per_exchange"] - side["phi_bytes_per_exchange"]

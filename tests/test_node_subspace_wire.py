@@ -17,10 +17,11 @@ import torch
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import RemoteError, open_call, read_reply
-from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
+from shoal.node.net.transport import RemoteError
+from shoal.protocol.pipeline import ForwardRequest, Hop
 from shoal.protocol.torch_tensors import pack_tokens
 from tests.helpers.processes import metrics
+from tests.helpers.raw_frames import send_with_tensor
 from tests.helpers.tiny import write_tiny_run
 
 SERVED = "shoal_microbatches_served_total"
@@ -45,15 +46,11 @@ def _forwards(swarm, run_file, cases: dict[str, tuple[torch.Tensor, bytes]]) -> 
         async def send(microbatch: str, x: torch.Tensor, tokens: bytes) -> str:
             request = ForwardRequest(microbatch_id=microbatch, origin=client.peer_id, step=0, hop=0, route=route,
                                      needs_backward=False, tokens=tokens)  # fmt: skip
-            stream = await open_call(client.p2p, worker.peer_id, "rpc_forward", 10)
             try:
-                await stream.write_tensor(x, "float32", leading=(request,))
-                ack = await read_reply(stream, Ack)
-                return "accepted" if ack.accepted else f"declined: {ack.reason}"
+                ack = await send_with_tensor(client, worker.peer_id, "rpc_forward", request, x)
             except RemoteError as error:
                 return error.code
-            finally:
-                stream.close()
+            return "accepted" if ack.accepted else f"declined: {ack.reason}"
 
         try:
             before = _state(worker)

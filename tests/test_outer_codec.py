@@ -105,15 +105,15 @@ def test_hostile_int8_pieces_and_wrong_shapes_are_refused():
 
 def test_the_run_config_chooses_the_codec_and_refuses_topk_under_an_all_reduce(tmp_path):
     base = load_run_config("tiny")
-    assert base.averaging.codec == "int8"  # the bundled runs' choice (benchmarks/compression.py)
+    assert base.averaging.codec == "topk"  # the bundled runs' choice (benchmarks/compression.py)
     path = tmp_path / "run.toml"
     text = base.to_toml()
-    path.write_text(text.replace('codec = "int8"', 'codec = "topk"'))
-    topk = load_run_config(str(path))
-    assert topk.averaging.codec == "topk" and topk.run_id != base.run_id
-    path.write_text(text.replace('codec = "int8"', 'codec = "topk"').replace('mode = "noloco"', 'mode = "diloco"'))
+    path.write_text(text.replace('codec = "topk"', 'codec = "int8"'))
+    int8 = load_run_config(str(path))
+    assert int8.averaging.codec == "int8" and int8.run_id != base.run_id
+    path.write_text(text.replace('mode = "noloco"', 'mode = "diloco"'))
     with pytest.raises(ConfigError, match="averaging.codec"):
         load_run_config(str(path))
-    path.write_text(text.replace('codec = "int8"', 'codec = "zip"'))
+    path.write_text(text.replace('codec = "topk"', 'codec = "zip"'))
     with pytest.raises(ConfigError, match="averaging.codec"):
         load_run_config(str(path))

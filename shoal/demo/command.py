@@ -26,8 +26,9 @@ from shoal.train.command import add_run_arguments, resolve_run
 
 
 def averaging_overrides(mode: str) -> dict:
-    """Run-config overrides for an averaging mode, with the authors' outer momentum for DiLoCo (0.3)."""
-    return {"averaging.mode": mode, **({"averaging.alpha": 0.3} if mode == "diloco" else {})}
+    """Run-config overrides for an averaging mode, with the authors' outer momentum for DiLoCo (0.3) and
+    int8 exchanges there (an all-reduce sums dense tensors: the bundled runs' top-k is NoLoCo's only)."""
+    return {"averaging.mode": mode, **({"averaging.alpha": 0.3, "averaging.codec": "int8"} if mode == "diloco" else {})}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
