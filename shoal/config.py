@@ -18,7 +18,7 @@ from typing import Any
 
 from shoal.model.config import ModelConfig
 from shoal.protocol.errors import MalformedMessage
-from shoal.protocol.pipeline import MAX_TOKEN_BYTES
+from shoal.protocol.pipeline import MAX_TOKEN_BYTES, token_id_bytes
 from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: a scale per row, then int8 rows (protocol/tensors.py)
@@ -413,9 +413,8 @@ def _validate(cfg: RunConfig) -> None:
         "model.subspace_rank",
         "needs its own embedding, not an imported checkpoint's or one tied to the LM head: leave it at 0",
     )
-    token_bytes = 2 if m.vocab_size <= 1 << 16 else 4  # protocol.torch_tensors.token_id_bytes
     need(
-        not m.subspace_rank or t.microbatch_size * m.max_seq_len * token_bytes <= MAX_TOKEN_BYTES,
+        not m.subspace_rank or t.microbatch_size * m.max_seq_len * token_id_bytes(m.vocab_size) <= MAX_TOKEN_BYTES,
         "train.microbatch_size",
         f"a Subspace Network's microbatch travels with its token ids, which must fit {MAX_TOKEN_BYTES} bytes",
     )

@@ -19,6 +19,11 @@ MAX_STAGE_TENSORS = 4096
 MAX_TOKEN_BYTES = 48 * 1024
 
 
+def token_id_bytes(vocab_size: int) -> int:
+    """Bytes a token id takes on the wire (little-endian, unsigned): 2 up to 65,536 ids, else 4."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
 @message("hop")
 class Hop:
     stage: int

@@ -20,6 +20,7 @@ import torch
 
 from .errors import BadTensor
 from .limits import CHUNK_BYTES, MAX_TENSOR_BYTES
+from .pipeline import token_id_bytes
 from .tensors import FLOAT_DTYPES, INT8_LEVELS, Buffer, TensorHeader, TensorMeta, TensorSpec, frame_payload
 
 # Frames carry little-endian bytes; torch.frombuffer reads native order, so refuse to pretend.
@@ -166,11 +167,6 @@ def rows_to_tensor(
 
 
 # ---- token ids beside a Subspace Network's coefficients ------------------------------------------------
-
-
-def token_id_bytes(vocab_size: int) -> int:
-    """Bytes a token id takes on the wire (little-endian, unsigned): 2 up to 65,536 ids, else 4."""
-    return 2 if vocab_size <= 1 << 16 else 4
 
 
 def pack_tokens(tokens: torch.Tensor, vocab_size: int) -> bytes:

@@ -399,7 +399,7 @@ class StageWorker(PipelineEngine):
         step and hold back the next step's first forward, which waits for our inner step."""
         await planned_start(request.starts, request.hop)
         grad_in, weight_grads = await self.compute(self._run_backward, saved, grad, priority=BACKWARD)
-        tokens = self.read_tokens(saved.tokens, saved.x) if saved.tokens else None
+        tokens = self.read_tokens(saved.tokens, saved.x) if saved.tokens and self.transcripts.enabled else None
         self.transcripts.note_backward(request.microbatch_id, saved.x, grad, tokens)
         w_priority = BACKWARD if request.hop == 0 else WEIGHT_GRAD
         self.weight_grads.append(self.compute_thread.run(w_priority, weight_grads.accumulate))
