@@ -86,11 +86,23 @@ PREVIOUS_CHURN = {
     "heterogeneous/high": {"time": (0.742, 0.682, 0.817), "throughput": (1.348, 1.224, 1.467),
                            "time_to_n_s": (1220, 902), "wasted_compute_s": (317, 174), "abandoned": (9, 9)},
 }  # fmt: skip
-# The fixes one at a time, at high churn (each row keeps the fixes above it); the last is the main table's.
-CHURN_STEPS = {
-    "swarm_retries_lost_hop": {"churn_data_nodes": True, "heartbeat_s": 0.0, "replan_s": 0.0},
-    "data_nodes_spared": {"heartbeat_s": 0.0, "replan_s": 0.0},
-}
+# The churn section at commit 50ebce0 (5 seeds, same swarms, same simulator), when GWTF was a central
+# plan: each data node annealed flow routes for the whole swarm from its view, and a sender swapped a full
+# planned next hop for the cheapest replica with room by the loads advertised at the last heartbeat.
+PLANNED_CHURN = {
+    "homogeneous/none": {"time": (0.925, 0.902, 1.010), "throughput": (1.081, 0.990, 1.109),
+                         "wasted_compute_s": (0, 0)},
+    "homogeneous/low": {"time": (0.891, 0.844, 0.975), "throughput": (1.123, 1.026, 1.185),
+                        "wasted_compute_s": (0, 0)},
+    "homogeneous/high": {"time": (0.868, 0.789, 0.936), "throughput": (1.153, 1.068, 1.267),
+                         "wasted_compute_s": (34, 33)},
+    "heterogeneous/none": {"time": (0.955, 0.870, 0.982), "throughput": (1.048, 1.019, 1.150),
+                           "wasted_compute_s": (0, 0)},
+    "heterogeneous/low": {"time": (0.921, 0.907, 0.983), "throughput": (1.086, 1.017, 1.103),
+                          "wasted_compute_s": (0, 0)},
+    "heterogeneous/high": {"time": (0.850, 0.776, 0.926), "throughput": (1.177, 1.080, 1.288),
+                           "wasted_compute_s": (35, 38)},
+}  # fmt: skip
 
 
 def label(policy: str, aware: bool) -> str:
@@ -252,7 +264,7 @@ def allocation_at_100(seeds: tuple[int, ...] = tuple(PREVIOUS_100)) -> list[dict
 
 def churn(seeds: list[int], microbatches: int, levels: dict[str, float] = CHURN_LEVELS, **knobs) -> dict:
     """GWTF against SWARM: time to N completed microbatches, throughput and waste, per churn level.
-    `knobs` override RunSpec's defaults (the steps between the previous simulator and this one)."""
+    `knobs` override RunSpec's defaults."""
     out: dict = {}
     for hetero in (False, True):
         for level, rate in levels.items():
@@ -294,18 +306,6 @@ def churn(seeds: list[int], microbatches: int, levels: dict[str, float] = CHURN_
             out[key] = cell
             step = f" {knobs}" if knobs else ""
             print(f"  churn {key}{step}: gwtf/swarm time {cell['gwtf_over_swarm_time']['median']:.3f}", file=sys.stderr)
-    return out
-
-
-def churn_steps(seeds: list[int], microbatches: int) -> dict:
-    """The high-churn cells again with only some of the fixes, so each one's share shows (runs dropped)."""
-    out = {}
-    for name, knobs in CHURN_STEPS.items():
-        cells = churn(seeds, microbatches, {"high": CHURN_LEVELS["high"]}, **knobs)
-        out[name] = {
-            "knobs": knobs,
-            **{key: {k: v for k, v in cell.items() if k != "runs"} for key, cell in cells.items()},
-        }
     return out
 
 
@@ -371,11 +371,15 @@ def main() -> int:
     print("churn ...", file=sys.stderr)
     microbatches = 60 if args.quick else CHURN_SWARM["microbatches"]
     report["churn"] = churn(seeds, microbatches)
-    report["churn_steps"] = churn_steps(seeds, microbatches)
     report["churn_previous"] = {
         "simulator": "commit 4be31bc: SWARM restarted on a backward loss, churn took data nodes, GWTF omniscient",
         "command": ".venv/bin/python benchmarks/scheduling.py",
         "cells": PREVIOUS_CHURN,
+    }
+    report["churn_planned"] = {
+        "simulator": "commit 50ebce0: GWTF a central flow plan per data node, today's simulator otherwise",
+        "command": ".venv/bin/python benchmarks/scheduling.py",
+        "cells": PLANNED_CHURN,
     }
     report["benchmark_wall_s"] = time.perf_counter() - started
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -412,9 +416,9 @@ def _prev(cell: tuple, digits: int = 3) -> str:
 
 
 def _churn_section(r: dict) -> list[str]:
-    """GWTF vs SWARM under churn: the main table, then the previous simulator's numbers beside it."""
+    """GWTF vs SWARM under churn: the main table, then the central plan's and the first simulator's beside it."""
     c, cs = r["constants"], r["constants"]["churn_swarm"]
-    prev, steps = r["churn_previous"]["cells"], r["churn_steps"]
+    prev = r["churn_previous"]["cells"]
     keys = [f"{compute}/{level}" for compute in ("homogeneous", "heterogeneous") for level in CHURN_LEVELS]
     out = [
         "",
@@ -430,12 +434,15 @@ def _churn_section(r: dict) -> list[str]:
         "Both policies are modelled as a daemon runs them. The SWARM baseline is its public client: the "
         "balancer (no adaptive rebalancing, which its public code lacks), and a lost hop, forward or backward, "
         "retried on another replica, which for a backward recomputes that stage's forward from the inputs the "
-        "sender kept; only the lost hop is redone, as in GWTF. GWTF decides with what a node knows: loads as "
-        f"advertised at the last heartbeat (every {c['heartbeat_s']:.0f} s, the daemon's default), and a change "
-        f"of the view reaches its routes only at the next heartbeat plus {c['replan_s']:.0f} s of re-planning, "
-        "while the data nodes inject along the old routes (a planned hop through a node known to be gone is "
-        "replaced at injection). Both see a departure when the first sender times out on it "
-        f"({c['failure_timeout_s']:.0f} s) or when it is announced.",
+        "sender kept; only the lost hop is redone, as in GWTF. GWTF routes hop by hop, each sender deciding "
+        "alone (`planning/gwtf.py`): the replica of the next stage with the least d_ij + its queue + its onward "
+        "cost, by what that replica said when it last took a forward from this sender (its load, and its own "
+        "cost of getting a microbatch home, so costs travel upstream one answer at a time), the sender's sends "
+        "since, and the gradients that came back since; a full replica only when all are full; one other "
+        "replica tried with the annealing's probability. A lost hop's replacement weighs loads as advertised at "
+        f"the last heartbeat (every {c['heartbeat_s']:.0f} s, the daemon's default), and a change of the view "
+        f"reaches the senders' tables at the next heartbeat plus {c['replan_s']:.0f} s. Both see a departure "
+        f"when the first sender times out on it ({c['failure_timeout_s']:.0f} s) or when it is announced.",
         "",
         "| compute | churn | SWARM time to N (s) | GWTF time to N (s) | GWTF ÷ SWARM time | GWTF ÷ SWARM "
         "throughput | wasted compute s, SWARM / GWTF | abandoned, SWARM / GWTF | recomputed hops, SWARM / GWTF "
@@ -455,68 +462,43 @@ def _churn_section(r: dict) -> list[str]:
             f"| {sw['recomputed_hops']['median']:.0f} / {gw['recomputed_hops']['median']:.0f} "
             f"| {sw['restarted']['median']:.0f} / {gw['restarted']['median']:.0f} |"
         )
+    planned = r["churn_planned"]["cells"]
     out += [
         "",
-        "### Against the previous simulator and the paper",
+        "### Against the central plan, the first simulator and the paper",
         "",
-        "The previous numbers are this benchmark's before the simulator modelled the daemon "
-        f"({r['churn_previous']['simulator']}); same swarms, seeds and churn rates. The paper's are its "
-        "headline claims (GWTF vs SWARM, heterogeneous nodes, 10 locations, high churn; its settings could not "
-        "be recovered): up to 45 % less training time, up to 30 % more throughput, almost no wasted GPU time.",
+        "GWTF as a central plan is this benchmark at "
+        f"{r['churn_planned']['simulator']} (each data node annealed routes for the whole swarm from its view and "
+        "kept the best by a global objective no node knows); same swarms, seeds, churn and SWARM. The first "
+        f"simulator's are from {r['churn_previous']['simulator']}. The paper's are its headline claims (GWTF vs "
+        "SWARM, heterogeneous nodes, 10 locations, high churn; its settings could not be recovered): up to 45 % "
+        "less training time, up to 30 % more throughput, almost no wasted GPU time.",
         "",
-        "| compute | churn | GWTF ÷ SWARM time: previous | now | paper | GWTF ÷ SWARM throughput: previous "
-        "| now | paper | wasted compute s, SWARM / GWTF: previous | now | paper (GWTF) |",
+        "| compute | churn | GWTF ÷ SWARM time: first simulator | central plan | local decisions (now) | paper "
+        "| GWTF ÷ SWARM throughput: central plan | now | paper | wasted compute s, SWARM / GWTF: central plan "
+        "| now |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in keys:
         compute, level = key.split("/")
-        cell, p = r["churn"][key], prev[key]
-        paper = ("down to 0.55", "up to 1.30", "≈ 0") if key == "heterogeneous/high" else ("–", "–", "–")
+        cell, p, q = r["churn"][key], prev[key], planned[key]
+        paper = ("down to 0.55", "up to 1.30") if key == "heterogeneous/high" else ("–", "–")
         waste = f"{cell['swarm']['wasted_compute_s']['median']:.0f} / {cell['gwtf']['wasted_compute_s']['median']:.0f}"
         out.append(
-            f"| {compute} | {level} | {_prev(p['time'])} | {_ms(cell['gwtf_over_swarm_time'], 3)} | {paper[0]} "
-            f"| {_prev(p['throughput'])} | {_ms(cell['gwtf_over_swarm_throughput'], 3)} | {paper[1]} "
-            f"| {p['wasted_compute_s'][0]} / {p['wasted_compute_s'][1]} | {waste} | {paper[2]} |"
+            f"| {compute} | {level} | {_prev(p['time'])} | {_prev(q['time'])} | {_ms(cell['gwtf_over_swarm_time'], 3)} "
+            f"| {paper[0]} | {_prev(q['throughput'])} | {_ms(cell['gwtf_over_swarm_throughput'], 3)} | {paper[1]} "
+            f"| {q['wasted_compute_s'][0]} / {q['wasted_compute_s'][1]} | {waste} |"
         )
-    names = (
-        ("previous", "previous simulator"),
-        ("swarm_retries_lost_hop", "+ SWARM retries only the lost hop"),
-        ("data_nodes_spared", "+ churn spares data nodes"),
-        ("now", "+ GWTF with a node's knowledge (now)"),
-    )
     out += [
         "",
-        "The fixes one at a time at high churn, each row keeping those above it (GWTF ÷ SWARM time to N, then "
-        "throughput, median (min–max) over the seeds):",
-        "",
-        "| step | homogeneous: time | homogeneous: throughput | heterogeneous: time | heterogeneous: throughput |",
-        "|---|---|---|---|---|",
-    ]
-    for name, title in names:
-        row = [title]
-        for compute in ("homogeneous", "heterogeneous"):
-            key = f"{compute}/high"
-            if name == "previous":
-                row += [_prev(prev[key]["time"]), _prev(prev[key]["throughput"])]
-                continue
-            cell = r["churn"][key] if name == "now" else steps[name][key]
-            row += [_ms(cell["gwtf_over_swarm_time"], 3), _ms(cell["gwtf_over_swarm_throughput"], 3)]
-        out.append("| " + " | ".join(row) + " |")
-    none_prev, none_now = prev["homogeneous/none"]["time"][0], r["churn"]["homogeneous/none"]["gwtf_over_swarm_time"]
-    out += [
-        "",
-        "Without churn only the last step applies, with the greedy fill's queue-aware cost (below): GWTF's "
-        "detours around a full next hop now see loads up to a heartbeat old (homogeneous: "
-        f"{none_prev:.3f} before, {none_now['median']:.3f} now). Our GWTF is an interpretation (the paper "
-        "publishes no code): min-max routes within capacity, built greedily with each node's queue (routes x "
-        "compute) in a route's cost, so that routes spread over a stage's replicas and every data node gets "
-        "one, then refined by annealing; "
-        "data nodes spread microbatches over their routes by expected finish; a sender swaps a full planned next "
-        "hop for the cheapest replica with room by its advertised load; a lost hop is redone alone. The SWARM "
-        "model still differs from SWARM's public code in ways left alone here: its balancers see every view "
-        "change at once (the public client re-reads the DHT every 30 s), and its replicas hold activations "
-        "between forward and backward and run a plain backward, where a public SWARM server keeps nothing "
-        "between calls and recomputes the forward inside every backward call.",
+        "Our GWTF is an interpretation (the paper publishes no code; `planning/gwtf.py` states it). Deciding "
+        "hop by hop from answers alone costs what the central plan's view of the whole swarm bought without "
+        "churn, and keeps most of its lead under high churn, where a plan is stale between heartbeats and a "
+        "sender's own answers are not. The SWARM model still differs from SWARM's public code in ways left "
+        "alone here: its balancers see every view change at once (the public client re-reads the DHT every "
+        "30 s), and its replicas hold activations between forward and backward and run a plain backward, where "
+        "a public SWARM server keeps nothing between calls and recomputes the forward inside every backward "
+        "call.",
     ]
     return out
 
@@ -725,10 +707,10 @@ def markdown(r: dict) -> str:
         "copying and is placed by its policy (GWTF: most added throughput; SWARM: least-served stage); churn "
         "takes block-stage nodes only and joiners are never data nodes (were a data node to crash, its "
         "microbatches would be abandoned with that reason).",
-        f"- What a node knows: loads as advertised at the last heartbeat, every {c['heartbeat_s']:.0f} s (the "
-        "daemon's default: a third of a record's 30 s lifetime); a plan made from the view (GWTF's routes) "
-        f"follows a change at the next heartbeat plus {c['replan_s']:.0f} s of re-planning (a stated constant: "
-        "reading the view and pinging its peers, then planning, which takes about 5 ms at 30 nodes).",
+        "- What a node knows: GWTF's senders, what each neighbour answered them (above); a replacement, loads "
+        f"as advertised at the last heartbeat, every {c['heartbeat_s']:.0f} s (the daemon's default: a third of a "
+        f"record's 30 s lifetime); a change of the view reaches a policy at the next heartbeat plus "
+        f"{c['replan_s']:.0f} s (a stated constant: reading the view and pinging its peers).",
         f"- All-reduce: {c['all_reduce']}.",
         "- DT-FM allocation: over DP_cost + 2 * PP_cost (link weight = one activation's transfer time; the hop "
         "back to the data node counted in PP_cost), simulated annealing with restarts at the paper's scale and a "

@@ -142,6 +142,7 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
                 "backward",
                 "fetch_output",
                 "abandon",
+                "route_note",
                 "copy_stage",
                 "gossip",
                 "gradient_share",

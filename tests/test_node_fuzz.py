@@ -440,6 +440,8 @@ def spoofs_of_the_live_microbatch() -> list[Case]:
         "reason": ["forged"],
         "completed": [0],
         "abandoned": [0],
+        "stage": [1],
+        "peer_id": [SELF, TARGET],
     }
     cases = []
     for rpc in PIPELINE_RPCS + ["rpc_step_close"]:

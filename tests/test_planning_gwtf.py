@@ -1,4 +1,4 @@
-"""GWTF flow routing, churn decisions, and SWARM's balancer, on small swarms checked by hand."""
+"""GWTF's hop-by-hop decisions, churn decisions, and SWARM's balancer, on small swarms checked by hand."""
 
 from __future__ import annotations
 
@@ -6,10 +6,18 @@ import random
 from collections import Counter
 
 from shoal.planning.costs import CostModel
+from shoal.planning.flow_estimate import _GreedyRoutes
 from shoal.planning.from_view import swarm_from_view
-from shoal.planning.gwtf import FlowPlan, _FlowState, hop_cost, pick_route, plan_flows
-from shoal.planning.plan import Route
-from shoal.planning.recovery import detour_if_full, place_joining_node, replacement_node
+from shoal.planning.gwtf import (
+    ANNEAL_DECISIONS,
+    NeighbourTable,
+    arrival_s,
+    choose_next_hop,
+    hop_cost,
+    onward_s,
+    unloaded_onward_s,
+)
+from shoal.planning.recovery import place_joining_node, replacement_node
 from shoal.planning.swarm import PlanNode, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
 from shoal.planning.swarm_view import NodeInfo as ViewNode
@@ -29,53 +37,6 @@ def _random_swarm(seed: int) -> Swarm:
     rng = random.Random(seed)
     nodes = [PlanNode(i, i % 4, rng.randrange(SITES), rng.uniform(0.5, 3), rng.randint(1, 4)) for i in range(16)]
     return _swarm(nodes)
-
-
-def test_flow_routes_are_full_pipelines_within_every_nodes_capacity():
-    for seed in range(5):
-        swarm = _random_swarm(seed)
-        plan = plan_flows(swarm, COST, random.Random(seed), anneal_steps=300)
-        assert plan.routes, "there is capacity for at least one route"
-        load = Counter(n for r in plan.routes for n in (r.origin, *r.hops))
-        for node, used in load.items():
-            assert used <= swarm.node(node).memory
-        for r in plan.routes:
-            assert swarm.node(r.origin).stage == 0 and r.stages(swarm) == (1, 2, 3)
-
-
-def test_annealing_never_returns_a_worse_worst_route_than_the_greedy_start():
-    for seed in range(5):
-        swarm = _random_swarm(seed)
-        greedy = plan_flows(swarm, COST, random.Random(seed), anneal_steps=0)
-        annealed = plan_flows(swarm, COST, random.Random(seed), anneal_steps=500)
-        assert annealed.max_time_s <= greedy.max_time_s + 1e-9
-        assert len(annealed.routes) == len(greedy.routes)
-
-
-def test_routes_prefer_the_near_replica_and_move_off_a_node_only_by_capacity():
-    # data node at site 0; stage 1 has a near and a far replica, each with room for one route
-    d = PlanNode(0, 0, 0, 1.0, 2)
-    near, far = PlanNode(1, 1, 0, 1.0, 1), PlanNode(2, 1, 2, 1.0, 1)
-    s2, s3 = PlanNode(3, 2, 0, 1.0, 2), PlanNode(4, 3, 0, 1.0, 2)
-    swarm = _swarm([d, near, far, s2, s3])
-    state = _FlowState(swarm, COST)
-    first = state.cheapest_route(d)
-    assert first is not None and first.hops == (1, 3, 4)
-    plan = plan_flows(swarm, COST, random.Random(0), anneal_steps=100)
-    assert sorted(r.hops[0] for r in plan.routes) == [1, 2]  # the second route must take the far one
-
-
-def test_every_data_node_gets_routes_and_they_spread_over_a_stages_replicas():
-    # four data nodes and two equal replicas of each block stage at one site: the cheapest links alone
-    # sent every route through the lowest-numbered replicas, stopped at 3 routes once those were busy
-    # (a 4th through them added nothing), and left the 4th data node no route at all
-    data = [PlanNode(i, 0, 0, 0.015, 16) for i in range(4)]
-    blocks = [PlanNode(4 + 2 * (stage - 1) + k, stage, 0, 0.018, 16) for stage in (1, 2) for k in range(2)]
-    swarm = Swarm(tuple(data + blocks), 3, ((0.0005,),), ((1e9,),))
-    plan = plan_flows(swarm, CostModel(activation_bytes=256 * 1024), random.Random(0))
-    assert {r.origin for r in plan.routes} == {0, 1, 2, 3}
-    load = Counter(h for r in plan.routes for h in r.hops)
-    assert set(load) == {b.node_id for b in blocks} and max(load.values()) - min(load.values()) <= 1, load
 
 
 def test_a_lost_hop_goes_to_the_cheapest_live_replica_with_room():
@@ -115,16 +76,6 @@ def test_swarm_balancer_spreads_by_measured_speed_and_drops_failed_peers():
     assert balancer.load[pick] == base + balancer.seconds_per_task.get(pick, 1.0)
 
 
-def test_a_full_planned_hop_is_swapped_for_the_cheapest_replica_with_room():
-    prev, nxt = PlanNode(0, 0, 0, 1.0, 3), PlanNode(9, 2, 0, 1.0, 3)
-    planned, near, far = PlanNode(1, 1, 0, 1.0, 2), PlanNode(2, 1, 0, 1.0, 2), PlanNode(3, 1, 2, 1.0, 2)
-    swarm = _swarm([prev, nxt, planned, near, far])
-    assert detour_if_full(swarm, COST, 1, prev, planned, nxt, {1: 1}) is planned  # it still has room
-    assert detour_if_full(swarm, COST, 1, prev, planned, nxt, {1: 2}) is near
-    assert detour_if_full(swarm, COST, 1, prev, planned, nxt, {1: 2, 2: 2}) is far
-    assert detour_if_full(swarm, COST, 1, prev, planned, nxt, {1: 2, 2: 2, 3: 2}) is planned  # all full: wait
-
-
 def test_the_daemons_view_becomes_a_planning_swarm_with_measured_links():
     view = SwarmView(
         "run",
@@ -143,29 +94,124 @@ def test_the_daemons_view_becomes_a_planning_swarm_with_measured_links():
     assert a.forward_s == 2 / 10.0 / 2.5 and c.forward_s == 2 / 5.0 / 2.5 and c.memory == 2
     assert swarm.latency(d, a) == swarm.latency(a, d) == 0.02 and swarm.bandwidth(a, d) == 1e8
     assert swarm.latency(a, c) == 0.1  # unmeasured: the stated default
-    assert plan_flows(swarm, COST, random.Random(0), anneal_steps=10).routes
+    assert choose_next_hop(swarm, COST, d, 2, NeighbourTable(), random.Random(0)) == c.node_id
 
 
-def test_a_data_node_sends_its_next_microbatch_where_it_should_finish_first():
-    fast, slow = Route(0, (1, 2, 3)), Route(0, (4, 5, 6))
-    plan = FlowPlan((fast, slow, Route(7, (1, 5, 3))), (10.0, 20.0, 15.0))
-    assert pick_route(plan, 0, {}) == fast
-    assert pick_route(plan, 0, {(0, fast.hops): 1}) == fast  # 2 x 10 = 20 ties 1 x 20: the first in order
-    assert pick_route(plan, 0, {(0, fast.hops): 2}) == slow  # 3 x 10 > 20
-    assert pick_route(plan, 9, {}) is None  # a data node without planned routes waits
+def _greedy(rng, table, swarm, sender, stage):
+    """A decision after the annealing has cooled: the cheapest arrival, nothing else."""
+    table.decisions = 10 * ANNEAL_DECISIONS
+    return choose_next_hop(swarm, COST, sender, stage, table, rng)
 
 
-def test_a_data_node_that_joins_a_swarm_whose_routes_fill_every_replica_still_gets_one():
-    """Re-planned from the first data node's routes, which take every worker's room, the newcomer got
-    no route and abandoned every microbatch after the stage wait (seen in the daemon). Its first route
-    now queues behind the others' instead."""
-    first = PlanNode(0, 0, 0, 1.0, 4)
-    workers = [PlanNode(1, 1, 0, 1.0, 2), PlanNode(2, 2, 0, 1.0, 2)]
-    alone = Swarm((first, *workers), 3, ((0.001,),), ((1e9,),))
-    before = plan_flows(alone, COST, random.Random(0), anneal_steps=50)
-    assert len(before.routes) == 2  # the workers' room, all the first data node's
-    second = PlanNode(3, 0, 0, 1.0, 4)
-    joined = Swarm((first, *workers, second), 3, ((0.001,),), ((1e9,),))
-    after = plan_flows(joined, COST, random.Random(0), anneal_steps=5, keep=before.routes)
-    assert {r.origin for r in after.routes} == {0, 3}
-    assert pick_route(after, 3, {}) is not None
+def test_a_sender_takes_the_near_replica_until_its_answer_says_it_is_full():
+    d = PlanNode(0, 0, 0, 1.0, 4)
+    near, far = PlanNode(1, 1, 0, 1.0, 1), PlanNode(2, 1, 2, 1.0, 1)
+    swarm = _swarm([d, near, far, PlanNode(3, 2, 0, 1.0, 4), PlanNode(4, 3, 0, 1.0, 4)])
+    table, rng = NeighbourTable(), random.Random(0)
+    assert _greedy(rng, table, swarm, d, 1) == 1
+    assert _greedy(rng, table, swarm, d, 1) == 2  # the first send is not answered yet: near counts as full
+    table.heard_from(1, 1, 3.0)  # near answered: it holds one, all it can
+    table.heard_from(2, 1, 3.0)
+    assert table.load_of(1) == 1 and table.unanswered[1] == 0
+    assert _greedy(rng, table, swarm, d, 1) == 1  # both full: the cheaper link, to wait there
+    table.heard_from(1, 2, 3.0)
+    table.returned(2)  # a gradient came back from far: it has room again, near still has none
+    assert table.load_of(2) == 0
+    assert _greedy(rng, table, swarm, d, 1) == 2
+
+
+def test_the_onward_cost_travels_upstream_in_answers():
+    # two replicas of stage 1; the one whose stage-2 neighbour is far from home reports a dearer way on
+    d = PlanNode(0, 0, 0, 1.0, 4)
+    a, b = PlanNode(1, 1, 0, 1.0, 4), PlanNode(2, 1, 0, 1.0, 4)
+    s2 = PlanNode(3, 2, 0, 1.0, 4)
+    s3 = PlanNode(4, 3, 0, 1.0, 4)
+    swarm = _swarm([d, a, b, s2, s3])
+    unloaded = unloaded_onward_s(swarm, COST)
+    assert unloaded[4] == hop_cost(swarm, COST, s3, d)
+    assert unloaded[3] == hop_cost(swarm, COST, s2, s3) + unloaded[4]
+    table = NeighbourTable()
+    assert onward_s(swarm, COST, s3, table) == unloaded[4]  # the last stage: the hop home
+    # stage-2's node tells stage 1's what its queue costs, and stage 1's folds it into its own advert
+    mine = NeighbourTable()
+    mine.heard_from(3, 5, unloaded[3])
+    queued = onward_s(swarm, COST, a, mine)
+    assert queued == hop_cost(swarm, COST, a, s2) + 5 * COST.compute_s(s2) + unloaded[3]
+    # the data node heard both replicas of stage 1: the one with the dearer way on loses
+    table.heard_from(1, 0, queued)
+    table.heard_from(2, 0, unloaded[2])
+    assert arrival_s(swarm, COST, d, a, table) > arrival_s(swarm, COST, d, b, table)
+    assert _greedy(random.Random(0), table, swarm, d, 1) == 2
+
+
+def test_senders_who_never_talk_to_each_other_share_replicas_by_their_answers():
+    """Four data nodes, two equal replicas per block stage, no plan anywhere: each replica answers
+    with its true load, and the flows spread: within two of each other, since a sender learns a
+    replica's load only by sending to it."""
+    data = [PlanNode(i, 0, 0, 0.015, 16) for i in range(4)]
+    blocks = [PlanNode(4 + 2 * (stage - 1) + k, stage, 0, 0.018, 16) for stage in (1, 2) for k in range(2)]
+    swarm = Swarm(tuple(data + blocks), 3, ((0.0005,),), ((1e9,),))
+    cost = CostModel(activation_bytes=256 * 1024)
+    tables = {n.node_id: NeighbourTable() for n in swarm.nodes}
+    held: Counter[int] = Counter()
+    rng = random.Random(0)
+    for _ in range(3):
+        for sender in data:
+            previous = sender
+            for stage in (1, 2):
+                table = tables[previous.node_id]
+                table.decisions = 10 * ANNEAL_DECISIONS
+                pick = choose_next_hop(swarm, cost, previous, stage, table, rng)
+                held[pick] += 1
+                table.heard_from(pick, held[pick], onward_s(swarm, cost, swarm.node(pick), tables[pick]))
+                previous = swarm.node(pick)
+    assert set(held) == {b.node_id for b in blocks}
+    for stage in (1, 2):
+        loads = [held[b.node_id] for b in swarm.by_stage[stage]]
+        assert max(loads) - min(loads) <= 2, held
+
+
+def test_the_annealing_tries_a_near_equal_replica_while_warm_and_not_once_cold():
+    d = PlanNode(0, 0, 0, 1.0, 100)
+    better, worse = PlanNode(1, 1, 0, 1.0, 100), PlanNode(2, 1, 0, 1.05, 100)
+    swarm = _swarm([d, better, worse, PlanNode(3, 2, 0, 1.0, 100), PlanNode(4, 3, 0, 1.0, 100)])
+
+    def picks(table: NeighbourTable) -> Counter:
+        rng, out = random.Random(0), Counter()
+        for replica in (1, 2):
+            table.heard_from(replica, 0, 1.0)
+        for _ in range(ANNEAL_DECISIONS):
+            pick = choose_next_hop(swarm, COST, d, 1, table, rng)
+            table.heard_from(pick, 0, 1.0)  # answers that leave the queues empty: only the annealing moves
+            out[pick] += 1
+        return out
+
+    warm = picks(NeighbourTable())
+    assert warm[2] > 0 and warm[1] > warm[2]
+    cold = NeighbourTable()
+    cold.decisions = ANNEAL_DECISIONS
+    assert picks(cold)[2] == 0
+    cold.warm_up(swarm)  # the swarm changed: it explores again
+    assert cold.decisions == 0
+
+
+def test_when_every_replica_is_full_a_sender_still_queues_at_one():
+    """A data node that joins a swarm whose replicas the others fill must still get its microbatches
+    in (seen in the daemon when it planned routes: it got none and abandoned every microbatch)."""
+    d = PlanNode(0, 0, 0, 1.0, 4)
+    swarm = Swarm((d, PlanNode(1, 1, 0, 1.0, 2), PlanNode(2, 2, 0, 1.0, 2)), 3, ((0.001,),), ((1e9,),))
+    table = NeighbourTable()
+    table.heard_from(1, 2, 1.0)
+    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0)) == 1
+    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0), exclude={1}) is None
+
+
+def test_the_joiners_estimate_spreads_routes_over_replicas_and_serves_every_data_node():
+    data = [PlanNode(i, 0, 0, 0.015, 16) for i in range(4)]
+    blocks = [PlanNode(4 + 2 * (stage - 1) + k, stage, 0, 0.018, 16) for stage in (1, 2) for k in range(2)]
+    swarm = Swarm(tuple(data + blocks), 3, ((0.0005,),), ((1e9,),))
+    routes = _GreedyRoutes(swarm, CostModel(activation_bytes=256 * 1024))
+    routes.fill()
+    assert {r[0] for r in routes.routes} == {0, 1, 2, 3}
+    load = Counter(h for r in routes.routes for h in r[1:])
+    assert set(load) == {b.node_id for b in blocks} and max(load.values()) - min(load.values()) <= 1, load

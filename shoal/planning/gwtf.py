@@ -1,27 +1,44 @@
-"""GWTF ("Go With The Flow", Blagoev et al. 2025) flow routing: min-max route cost within capacity.
+"""GWTF ("Go With The Flow", Blagoev et al. 2025): every node routes its own microbatches, hop by hop.
 
-The paper gives the hop cost and the objective; it publishes neither code nor the local moves, so
-the rest is our interpretation, stated here. A *route* is one in-flight slot: a data node, one node
-per block stage, back to the data node; a node carries at most `memory` routes. A route's time is
-the larger of its summed hop costs and, for each node on it, routes-through-that-node x its compute
-(a node serving n routes cannot turn any of them faster than n x c). Routes are built greedily
-(cheapest path through nodes with spare capacity, each node's queue counted in, while the estimated
-throughput, the sum of 1 / route time, still rises; every data node gets a first route) and refined
-by simulated annealing whose every move is decided by one node with what it knows: its own links,
-and the load, capacity, compute and carried route costs its candidate next hops advertise.
+The paper gives the hop cost d_ij and the objective (the least maximum route cost, within each
+node's capacity, found with local knowledge only); it publishes neither code nor the local moves, so
+the rest is our interpretation, stated here (papers/gwtf.md, "shoal's interpretation"):
+
+- A node that has a microbatch to send on (a data node injecting one, a worker done with its
+  forward) picks the replica j of the next stage with the least arrival cost from where it sits:
+  d_ij + j's queue (its load x its compute) + j's onward cost (what it costs to get the microbatch
+  home from j). Replicas with room come first: a full one is taken only when all are.
+- What a node knows of a neighbour comes from the neighbour itself: every answer to a forward
+  carries the receiver's load and its onward cost (which it works out the same way, from what *its*
+  neighbours told it: a distance vector, one hop at a time). Between answers the sender counts its
+  own sends since the last one, and one fewer each time a gradient comes back from that neighbour.
+  A neighbour never heard from is costed from the view alone, with every queue empty.
+- The annealing: at each decision one other replica with room is proposed and taken instead of the
+  cheapest with probability exp(-delta / T), delta its extra cost; T starts at 5 % of the cheapest
+  arrival cost and cools geometrically to a thousandth of that over `ANNEAL_DECISIONS`, and warms up
+  again when the swarm changes. It keeps a node sampling near-equal replicas (so it hears from
+  them) where greedy picks alone would lock onto one.
+- At the last block stage the only way on is home; what it advertises is the dearest hop home over
+  the data nodes (the objective is the worst route).
+
+No node plans a route for the swarm, and none knows another's decisions: capacity holds because
+every sender sees each replica's load as the replica itself reports it.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Collection
 from itertools import pairwise
 
 from shoal.planning.costs import CostModel
 from shoal.planning.plan import Route
-from shoal.planning.swarm import NodeId, PlanNode, Swarm
+from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
+
+ANNEAL_T0 = 0.05  # the starting temperature, as a fraction of the cheapest arrival cost
+ANNEAL_DECISIONS = 200  # decisions over which the temperature cools to ANNEAL_T0 / 1000
 
 
 def hop_cost(swarm: Swarm, cost: CostModel, a: PlanNode, b: PlanNode) -> float:
@@ -42,244 +59,114 @@ def path_cost(swarm: Swarm, cost: CostModel, route: Route) -> float:
     return sum(hop_cost(swarm, cost, swarm.node(a), swarm.node(b)) for a, b in pairwise(chain))
 
 
-@dataclass(frozen=True)
-class FlowPlan:
-    """Routes (one per in-flight slot) and each route's estimated time in seconds."""
+class NeighbourTable:
+    """One node's GWTF knowledge: what each neighbour said in its last answer, and what was sent since.
 
-    routes: tuple[Route, ...]
-    times_s: tuple[float, ...]
+    Plain state, no clock: the caller reports what happened (`sent`, `heard`, `returned`)."""
 
-    @property
-    def max_time_s(self) -> float:
-        return max(self.times_s, default=0.0)
+    def __init__(self) -> None:
+        self.heard: dict[NodeId, tuple[int, float]] = {}  # neighbour -> (load, onward cost s) it answered
+        self.unanswered: Counter[NodeId] = Counter()  # sent to it since, not yet answered
+        self.decisions = 0  # since the last warm-up: the annealing's clock
+        self._static: tuple[Swarm, dict[NodeId, float]] | None = None
 
-    @property
-    def throughput(self) -> float:
-        """Estimated microbatches per second: every slot turns over once per route time."""
-        return sum(1.0 / t for t in self.times_s if t > 0)
+    def sent(self, node: NodeId) -> None:
+        self.unanswered[node] += 1
+        self.decisions += 1
 
-    def routes_of(self, origin: NodeId) -> tuple[Route, ...]:
-        return tuple(r for r in self.routes if r.origin == origin)
+    def heard_from(self, node: NodeId, load: int, onward_s: float) -> None:
+        """`node` answered a forward: it now holds `load` microbatches and gets one home in `onward_s`."""
+        self.heard[node] = (max(0, load), max(0.0, onward_s))
+        if self.unanswered[node] > 0:
+            self.unanswered[node] -= 1
+
+    def returned(self, node: NodeId) -> None:
+        """A gradient came back from `node`: it holds one microbatch fewer than it last said."""
+        if node in self.heard:
+            load, onward = self.heard[node]
+            self.heard[node] = (max(0, load - 1), onward)
+
+    def warm_up(self, view: Swarm) -> None:
+        """The swarm changed: forget the nodes it lost, and anneal afresh."""
+        self.decisions = 0
+        for gone in [n for n in self.heard if n not in view.by_id]:
+            del self.heard[gone]
+        for gone in [n for n in self.unanswered if n not in view.by_id]:
+            del self.unanswered[gone]
+
+    def load_of(self, node: NodeId) -> int:
+        return self.heard.get(node, (0, 0.0))[0] + self.unanswered[node]
+
+    def onward_of(self, view: Swarm, cost: CostModel, node: NodeId) -> float:
+        if node in self.heard:
+            return self.heard[node][1]
+        if self._static is None or self._static[0] is not view:
+            self._static = (view, unloaded_onward_s(view, cost))
+        return self._static[1].get(node, 0.0)
+
+    def temperature(self, cheapest_s: float) -> float:
+        return ANNEAL_T0 * cheapest_s * 1e-3 ** min(1.0, self.decisions / ANNEAL_DECISIONS)
 
 
-def plan_flows(
-    swarm: Swarm,
-    cost: CostModel,
-    rng: random.Random,
-    anneal_steps: int = 2000,
-    keep: Iterable[Route] = (),
-) -> FlowPlan:
-    """Greedy routes for every data node, then annealing. `keep` seeds the plan with existing routes
-    (only those whose nodes are all still in `swarm`), so a re-plan after churn starts from the last."""
-    state = _FlowState(swarm, cost)
-    for route in keep:
-        if all(h in swarm.by_id for h in (route.origin, *route.hops)) and state.fits(route):
-            state.add(route)
-    state.fill()
-    state.anneal(rng, anneal_steps)
-    return state.plan()
+def home_s(view: Swarm, cost: CostModel, node: PlanNode) -> float:
+    """The last block stage's way on: the dearest hop back to a data node."""
+    return max((hop_cost(view, cost, node, home) for home in view.data_nodes), default=0.0)
 
 
-class _FlowState:
-    """Routes under construction, with per-node loads; all cost bookkeeping lives here."""
-
-    def __init__(self, swarm: Swarm, cost: CostModel) -> None:
-        self.swarm, self.cost = swarm, cost
-        self.routes: list[list[NodeId]] = []  # [origin, hop_1, ..., hop_{S-1}]
-        self.load: dict[NodeId, int] = {n.node_id: 0 for n in swarm.nodes}
-        self.through: dict[NodeId, set[int]] = {n.node_id: set() for n in swarm.nodes}
-        self.path_sum: list[float] = []
-        self.times: list[float] = []  # each route's time, kept current as loads change
-        self._d: dict[tuple[NodeId, NodeId], float] = {}
-        self.compute = {n.node_id: cost.compute_s(n) for n in swarm.nodes}
-
-    def d(self, a: NodeId, b: NodeId) -> float:
-        key = (a, b)
-        if key not in self._d:
-            self._d[key] = hop_cost(self.swarm, self.cost, self.swarm.node(a), self.swarm.node(b))
-        return self._d[key]
-
-    def chain_sum(self, nodes: list[NodeId]) -> float:
-        chain = nodes + [nodes[0]]
-        return sum(self.d(a, b) for a, b in pairwise(chain))
-
-    def time(self, r: int) -> float:
-        return self.times[r]
-
-    def _retime(self, routes: set[int]) -> None:
-        load, compute = self.load, self.compute
-        for r in routes:
-            self.times[r] = max(self.path_sum[r], max(load[n] * compute[n] for n in self.routes[r]))
-
-    def _touching(self, nodes) -> set[int]:
-        out: set[int] = set()
-        for n in nodes:
-            out |= self.through[n]
-        return out
-
-    def fits(self, route: Route) -> bool:
-        if len(route.hops) != self.swarm.stages - 1:
-            return False
-        nodes = (route.origin, *route.hops)
-        return all(self.load[n] < self.swarm.node(n).memory for n in nodes)
-
-    def add(self, route: Route) -> None:
-        nodes = [route.origin, *route.hops]
-        r = len(self.routes)
-        self.routes.append(nodes)
-        self.path_sum.append(self.chain_sum(nodes))
-        self.times.append(0.0)
-        for n in nodes:
-            self.load[n] += 1
-            self.through[n].add(r)
-        self._retime(self._touching(nodes))
-
-    def throughput(self) -> float:
-        return sum(1.0 / t for t in self.times)
-
-    def cheapest_route(self, origin: PlanNode, over_memory: bool = False) -> Route | None:
-        """Layered shortest path from the data node through every block stage and back. A node that
-        already carries routes costs its queue on top (routes x compute: a new route waits behind
-        them), so that routes spread over a stage's replicas instead of piling onto the one with the
-        cheapest links, which leaves the others idle and the next route no faster than the last."""
-        best: dict[NodeId, tuple[float, tuple[NodeId, ...]]] = {origin.node_id: (0.0, ())}
-        for stage in range(1, self.swarm.stages):
-            nxt: dict[NodeId, tuple[float, tuple[NodeId, ...]]] = {}
-            for node in self.swarm.by_stage[stage]:
-                n = node.node_id
-                if self.load[n] >= node.memory and not over_memory:
-                    continue
-                queue = self.load[n] * self.compute[n]
-                options = [(c + self.d(prev, n) + queue, path + (n,)) for prev, (c, path) in best.items()]
-                if options:
-                    nxt[n] = min(options)
-            if not nxt:
-                return None
-            best = nxt
-        c, path = min((c + self.d(last, origin.node_id), path) for last, (c, path) in best.items())
-        return Route(origin.node_id, path)
-
-    def fill(self) -> None:
-        """Add routes, the least-served data node first, while estimated throughput rises. A data node's
-        first route is kept even when it does not raise the estimate: without one it cannot train. So
-        is a first route through replicas the other data nodes' routes already fill (a data node that
-        joins a busy swarm): its microbatches queue there behind theirs, instead of never starting."""
-        blocked: set[NodeId] = set()
-        while True:
-            data = [n for n in self.swarm.data_nodes if n.node_id not in blocked and self.load[n.node_id] < n.memory]
-            if not data:
-                return
-            origin = min(data, key=lambda n: (self.load[n.node_id], n.node_id))
-            route = self.cheapest_route(origin)
-            if route is None and self.load[origin.node_id] == 0:
-                route = self.cheapest_route(origin, over_memory=True)
-            if route is None:
-                return  # some stage is full: no data node can add a route
-            before = self.throughput()
-            self.add(route)
-            if self.load[origin.node_id] > 1 and self.throughput() <= before * (1 + 1e-9):
-                self.remove_last()
-                blocked.add(origin.node_id)
-
-    def remove_last(self) -> None:
-        r = len(self.routes) - 1
-        nodes = self.routes[r]
-        for n in nodes:
-            self.load[n] -= 1
-            self.through[n].discard(r)
-        self.routes.pop()
-        self.path_sum.pop()
-        self.times.pop()
-        self._retime(self._touching(nodes))
-
-    def anneal(self, rng: random.Random, steps: int) -> None:
-        """Move one hop of one route to another node of the same stage, decided locally.
-
-        The node before the hop weighs the routes it can see change: this route and those its old
-        and new next hop carry (their loads change). It accepts a move that lowers the worst of
-        them, or a worse one with probability exp(-delta / T) as T cools geometrically.
-        """
-        if not self.routes or self.swarm.stages < 2 or steps <= 0:
-            return
-        t0 = 0.05 * max(self.time(r) for r in range(len(self.routes)))
-        best = (self._global_objective(), [list(nodes) for nodes in self.routes])
-        for step in range(steps):
-            temperature = t0 * (1e-3 ** (step / steps))
-            if rng.random() < 0.5:
-                r = max(range(len(self.times)), key=self.times.__getitem__)
+def unloaded_onward_s(view: Swarm, cost: CostModel) -> dict[NodeId, float]:
+    """Every block node's onward cost from the view alone, every queue empty (the last stage first)."""
+    onward: dict[NodeId, float] = {}
+    for stage in range(view.stages - 1, 0, -1):
+        for node in view.by_stage[stage]:
+            if stage == view.stages - 1:
+                onward[node.node_id] = home_s(view, cost, node)
             else:
-                r = rng.randrange(len(self.routes))
-            pos = rng.randrange(1, self.swarm.stages)
-            old = self.routes[r][pos]
-            stage_nodes = self.swarm.by_stage[pos]
-            options = [n for n in stage_nodes if n.node_id != old and self.load[n.node_id] < n.memory]
-            if not options:
-                continue
-            new = rng.choice(options).node_id
-            affected = self.through[old] | self.through[new] | {r}
-            before = self._local_objective(affected)
-            self._move(r, pos, new)
-            delta = self._local_objective(affected) - before
-            if delta > 0 and rng.random() >= math.exp(-delta / max(temperature, 1e-12)):
-                self._move(r, pos, old)
-            elif delta < 0:
-                score = self._global_objective()
-                if score < best[0]:
-                    best = (score, [list(nodes) for nodes in self.routes])
-        if self._global_objective() > best[0]:
-            self._restore(best[1])
-
-    def _global_objective(self) -> tuple[float, float]:
-        """What the plan is judged by (not known to any one node): the worst route, then the mean."""
-        return (max(self.times), sum(self.times) / len(self.times))
-
-    def _restore(self, routes: list[list[NodeId]]) -> None:
-        for r, nodes in enumerate(routes):
-            for pos, node in enumerate(nodes):
-                if self.routes[r][pos] != node:
-                    self._move(r, pos, node)
-
-    def _local_objective(self, routes: set[int]) -> float:
-        times = [self.time(i) for i in routes]
-        return max(times) + 0.01 * sum(times) / len(times)
-
-    def _move(self, r: int, pos: int, new: NodeId) -> None:
-        old = self.routes[r][pos]
-        self.routes[r][pos] = new
-        self.load[old] -= 1
-        self.through[old].discard(r)
-        self.load[new] += 1
-        self.through[new].add(r)
-        self.path_sum[r] = self.chain_sum(self.routes[r])
-        self._retime(self.through[old] | self.through[new] | {r})
-
-    def plan(self) -> FlowPlan:
-        routes = tuple(Route(nodes[0], tuple(nodes[1:])) for nodes in self.routes)
-        return FlowPlan(routes, tuple(self.times))
+                nxt = view.by_stage[stage + 1]
+                onward[node.node_id] = min(
+                    (hop_cost(view, cost, node, j) + onward[j.node_id] for j in nxt), default=math.inf
+                )
+    return onward
 
 
-def greedy_throughput(swarm: Swarm, cost: CostModel) -> float:
-    """Estimated microbatches per second of the greedy routes alone (no annealing: cheap, seedless)."""
-    state = _FlowState(swarm, cost)
-    state.fill()
-    return state.throughput()
+def arrival_s(view: Swarm, cost: CostModel, sender: PlanNode, node: PlanNode, table: NeighbourTable) -> float:
+    """What sending one microbatch from `sender` on through `node` costs, by what `sender` knows."""
+    queue = table.load_of(node.node_id) * cost.compute_s(node)
+    return hop_cost(view, cost, sender, node) + queue + table.onward_of(view, cost, node.node_id)
 
 
-def pick_route(
-    plan: FlowPlan, origin: NodeId, in_flight: Mapping[tuple[NodeId, tuple[NodeId, ...]], int]
-) -> Route | None:
-    """The route a data node sends its next microbatch on: the planned route of `origin` with the
-    earliest expected finish, (in flight on it + 1) x its time / its planned slots.
+def onward_s(view: Swarm, cost: CostModel, node: PlanNode, table: NeighbourTable) -> float:
+    """What `node` advertises in its answers: the cheapest way home from it, by what it knows."""
+    if node.stage == view.stages - 1:
+        return home_s(view, cost, node)
+    nxt = view.by_stage[node.stage + 1] if node.stage + 1 < view.stages else ()
+    return min((arrival_s(view, cost, node, j, table) for j in nxt), default=0.0)
 
-    A data node injects whenever its own memory allows (as SWARM's do), so a route may carry more
-    than its planned microbatches: the extra ones wait at a full node instead of leaving it idle
-    while the next microbatch travels there. `in_flight` is keyed by (origin, hops).
-    """
-    slots: dict[tuple[NodeId, tuple[NodeId, ...]], list[float]] = {}
-    for route, time_s in zip(plan.routes, plan.times_s, strict=True):
-        if route.origin == origin:
-            slots.setdefault((route.origin, route.hops), []).append(time_s)
-    if not slots:
+
+def choose_next_hop(
+    view: Swarm,
+    cost: CostModel,
+    sender: PlanNode,
+    stage: StageIndex,
+    table: NeighbourTable,
+    rng: random.Random,
+    exclude: Collection[NodeId] = (),
+) -> NodeId | None:
+    """The replica of `stage` that `sender` sends its next microbatch to, or None if there is none.
+
+    The cheapest arrival among replicas with room (all of them if none has room), or, with the
+    annealing's probability, one other replica with room proposed at random. Counts the send."""
+    replicas = [n for n in view.by_stage[stage] if n.node_id not in exclude]
+    if not replicas:
         return None
-    key = min(sorted(slots), key=lambda k: (in_flight.get(k, 0) + 1) * max(slots[k]) / len(slots[k]))
-    return Route(origin, key[1])
+    room = [n for n in replicas if table.load_of(n.node_id) < n.memory] or replicas
+    # ties go at random, as SWARM's balancer breaks them: senders that know nothing yet of a stage
+    # would otherwise all start on its lowest-numbered replica
+    scored = sorted((arrival_s(view, cost, sender, n, table), rng.random(), n.node_id) for n in room)
+    cheapest_s, _, pick = scored[0]
+    if len(scored) > 1:
+        other_s, _, other = scored[rng.randrange(1, len(scored))]
+        temperature = table.temperature(cheapest_s)
+        if temperature > 0 and rng.random() < math.exp(-(other_s - cheapest_s) / temperature):
+            pick = other
+    table.sent(pick)
+    return pick

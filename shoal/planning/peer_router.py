@@ -3,7 +3,7 @@
 A node knows a `Snapshot`: the SwarmView (who holds which stage, how fast, how much memory) and the
 links measured so far (by itself, and as other peers advertise them). `PeerRouter` turns that into
 the planning `Swarm` the policies of `policy.py` take, keeps the policy's state across calls (GWTF's
-flow plan, SWARM's balancers) with node ids that stay stable across views, and answers in peer ids.
+neighbour tables, SWARM's balancers) with node ids that stay stable across views, and answers in peer ids.
 The simulator drives the same policies over its own swarm: one algorithm, one place.
 """
 
@@ -150,7 +150,8 @@ class PeerRouter:
             self.policy.finished(routed.origin, routed.planned)
 
     def next_hop(self, sender: PeerID, stage: StageIndex, exclude: Collection[PeerID] = ()) -> PeerID | None:
-        """SWARM: the sender's balancer picks the replica of `stage` for the next hop."""
+        """The replica of `stage` the sender picks for the next hop (SWARM: by its balancer; GWTF: by
+        its neighbour table)."""
         if self.swarm is None or not self._live(sender):
             return self._any_replica(stage, exclude)
         pick = self.policy.next_hop(self.ids[sender], stage, self._without(exclude))
@@ -185,11 +186,27 @@ class PeerRouter:
         if sender in self.ids and receiver in self.ids:
             self.policy.observe(self.ids[sender], self.ids[receiver], stage, seconds)
 
+    def heard(self, sender: PeerID, receiver: PeerID, load: int, onward_s: float) -> None:
+        """`receiver` answered a forward from `sender` with its load and onward cost (GWTF learns it)."""
+        if sender in self.ids and receiver in self.ids:
+            self.policy.heard(self.ids[sender], self.ids[receiver], load, onward_s)
+
+    def returned(self, sender: PeerID, receiver: PeerID) -> None:
+        """A gradient came back to `sender` from `receiver`, the hop after it (GWTF learns it)."""
+        if sender in self.ids and receiver in self.ids:
+            self.policy.returned(self.ids[sender], self.ids[receiver])
+
+    def advert(self, me: PeerID) -> float | None:
+        """What `me` tells a sender whose forward it takes: its onward cost (GWTF); None otherwise."""
+        if self.swarm is None or not self._live(me):
+            return None
+        return self.policy.advert(self.ids[me], self.swarm)
+
     def place(self, view: SwarmView, me: Candidate, forward_s: float, memory: int) -> StageIndex:
         """The stage for this node. The data role and empty stages come first, settled by seniority
         (assignment.py), so simultaneous joiners converge; a node that already holds a block stage
-        keeps the hysteresis rule there. Otherwise the policy places it (GWTF: where re-planned
-        routes gain the most; SWARM: the stage with the least compute)."""
+        keeps the hysteresis rule there. Otherwise the policy places it (GWTF: where greedy
+        routes' estimated throughput gains the most; SWARM: the stage with the least compute)."""
         limited = me.stages_that_fit is not None and len(me.stages_that_fit) < view.stages
         if self.policy.name == "capacity" or limited or takes_data_role(view, me) or me.current_stage not in (None, 0):
             return choose_stage(view, me)

@@ -17,10 +17,10 @@ from collections.abc import Callable, Collection, Mapping
 from shoal.planning.allocation import allocate_stages
 from shoal.planning.costs import CostModel
 from shoal.planning.dtfm import plan_dtfm
-from shoal.planning.gwtf import FlowPlan, pick_route, plan_flows
+from shoal.planning.gwtf import NeighbourTable, choose_next_hop, onward_s
 from shoal.planning.plan import IterationPlan
 from shoal.planning.random_skip import plan_random_skip
-from shoal.planning.recovery import detour_if_full, place_joining_node, replacement_node
+from shoal.planning.recovery import place_joining_node, replacement_node
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
@@ -33,7 +33,6 @@ class Policy:
 
     name = "policy"
     hop_by_hop = False  # True: the next hop is chosen when a microbatch leaves a node
-    detours = False  # True: a planned next hop that is full may be swapped for a replica with room
 
     def __init__(self, cost: CostModel, rng: random.Random) -> None:
         self.cost, self.rng = cost, rng
@@ -71,6 +70,16 @@ class Policy:
     def observe(self, sender: NodeId, receiver: NodeId, stage: StageIndex, seconds: float) -> None:
         """How long a forward request from sender to receiver took (only SWARM listens)."""
 
+    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float) -> None:
+        """`receiver` answered a forward from `sender` with its load and onward cost (only GWTF listens)."""
+
+    def returned(self, sender: NodeId, receiver: NodeId) -> None:
+        """A gradient came back to `sender` from `receiver`, the hop after it (only GWTF listens)."""
+
+    def advert(self, node: NodeId, view: Swarm) -> float | None:
+        """The onward cost `node` tells the senders it answers (GWTF); None: this policy sends none."""
+        return None
+
     def replace(
         self,
         view: Swarm,
@@ -85,9 +94,6 @@ class Policy:
 
     def view_changed(self, view: Swarm) -> None:
         """The set of live nodes changed (a crash detected, a leave announced, a join ready)."""
-
-    def detour(self, view: Swarm, stage: StageIndex, prev: PlanNode, planned: PlanNode, nxt: PlanNode, load) -> NodeId:
-        return self._timed(detour_if_full, view, self.cost, stage, prev, planned, nxt, load).node_id
 
     def place(self, view: Swarm, newcomer: PlanNode) -> StageIndex:
         return self._timed(place_joining_node, view, self.cost, newcomer)
@@ -117,36 +123,44 @@ class StaticPolicy(Policy):
 
 
 class GwtfPolicy(Policy):
-    """GWTF: each data node injects along its planned routes, spreading microbatches over them."""
+    """GWTF: every sender picks the next hop itself, by its own neighbour table (`planning/gwtf.py`).
+
+    The policy keeps one table per deciding node: the simulator decides for every node, the daemon's
+    router for its own node (and guesses the later hops of a route it injects, which the workers
+    on the way decide again). A lost hop goes to the cheapest live replica between its neighbours."""
 
     name = "gwtf"
-    detours = True
+    hop_by_hop = True
 
-    def __init__(self, cost: CostModel, rng: random.Random, anneal_steps: int = 2000) -> None:
+    def __init__(self, cost: CostModel, rng: random.Random) -> None:
         super().__init__(cost, rng)
-        self.anneal_steps = anneal_steps
-        self.flows = FlowPlan((), ())
-        self.in_use: Counter[tuple[NodeId, tuple[NodeId, ...]]] = Counter()
+        self.tables: dict[NodeId, NeighbourTable] = {}
 
-    def start(self, view: Swarm, microbatches: int) -> Swarm:
-        self.flows = self._timed(plan_flows, view, self.cost, self.rng, self.anneal_steps)
-        return view
-
-    def view_changed(self, view: Swarm) -> None:
-        # re-plan from the surviving routes: only routes through a lost node change
-        self.flows = self._timed(plan_flows, view, self.cost, self.rng, self.anneal_steps // 20, self.flows.routes)
+    def table(self, node: NodeId) -> NeighbourTable:
+        return self.tables.setdefault(node, NeighbourTable())
 
     def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
-        route = self._timed(pick_route, self.flows, origin, self.in_use)
-        if route is None:
-            return None
-        self.in_use[(origin, route.hops)] += 1
-        return route.hops
+        return ()
 
-    def finished(self, origin: NodeId, route: tuple[NodeId, ...]) -> None:
-        key = (origin, route)
-        if self.in_use[key] > 0:
-            self.in_use[key] -= 1
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+        node = view.by_id.get(sender)
+        if node is None:
+            return None
+        return self._timed(choose_next_hop, view, self.cost, node, stage, self.table(sender), self.rng)
+
+    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float) -> None:
+        self.table(sender).heard_from(receiver, load, onward_s)
+
+    def returned(self, sender: NodeId, receiver: NodeId) -> None:
+        self.table(sender).returned(receiver)
+
+    def advert(self, node: NodeId, view: Swarm) -> float | None:
+        me = view.by_id.get(node)
+        return None if me is None else self._timed(onward_s, view, self.cost, me, self.table(node))
+
+    def view_changed(self, view: Swarm) -> None:
+        for table in self.tables.values():
+            table.warm_up(view)
 
 
 class SwarmPolicy(Policy):

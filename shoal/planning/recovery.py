@@ -2,8 +2,8 @@
 
 Both follow GWTF: a lost hop goes to the live replica of the same stage that is cheapest between
 the hop's neighbours by GWTF's hop cost (only that hop is redone, from the activation the upstream
-neighbour kept), and a joining node takes the stage where re-planned routes gain the most
-estimated throughput. Static schedules (DT-FM, SkipPipe) use the same replacement rule when a
+neighbour kept), and a joining node takes the stage where greedy routes gain the most estimated
+throughput (`flow_estimate.py`). Static schedules (DT-FM, SkipPipe) use the same replacement rule when a
 planned node dies mid-iteration.
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from shoal.planning.costs import CostModel
-from shoal.planning.gwtf import greedy_throughput, hop_cost
+from shoal.planning.flow_estimate import greedy_throughput
+from shoal.planning.gwtf import hop_cost
 from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 
 
@@ -65,23 +66,3 @@ def place_joining_node(view: Swarm, cost: CostModel, newcomer: PlanNode) -> Stag
         return sum(1.0 / cost.compute_s(n) for n in view.by_stage[stage])
 
     return min(tied, key=lambda stage: (compute_rate(stage), stage))
-
-
-def detour_if_full(
-    view: Swarm,
-    cost: CostModel,
-    stage: StageIndex,
-    prev: PlanNode,
-    planned: PlanNode,
-    nxt: PlanNode,
-    load: Mapping[NodeId, int],
-) -> PlanNode:
-    """Keep a flow within capacity: if the planned next hop holds all it can, the cheapest replica of
-    the same stage with room takes this microbatch instead (the sender knows its neighbours' load
-    from their adverts); if none has room, the planned hop it is, and the microbatch waits there."""
-    if load.get(planned.node_id, 0) < planned.memory:
-        return planned
-    other = replacement_node(view, cost, stage, prev, nxt, exclude=(planned.node_id,), load=load)
-    if other is None or load.get(other.node_id, 0) >= other.memory:
-        return planned
-    return other

@@ -127,12 +127,29 @@ class AbandonNotice:
     kind: str = wire_field(max_len=16, token=True, default="other")
 
 
+@message("route_note")
+class RouteNote:
+    """Tells a data node which peer took hop `hop` of its microbatch's forward, where that is not the
+    peer the route named when it left the data node: a sender that picks the next hop itself (GWTF,
+    SWARM) or re-routed a failed one. Without it a data node that loses that peer cannot find the hop
+    to resume the forward from, and sends the whole forward again."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    hop: int = wire_field(ge=0, le=MAX_ROUTE_HOPS)
+    stage: int = wire_field(ge=0, le=MAX_ROUTE_HOPS)
+    peer_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+
+
 @message("ack")
 class Ack:
     """The receiver took the work (or refused it: busy, wrong stage, unknown microbatch)."""
 
     accepted: bool
     reason: str = wire_field(max_len=200, default="")
+    # GWTF (planning/gwtf.py): a worker taking a forward says how many microbatches it now holds and
+    # what getting one home from it costs, which is all a sender knows of it; None: not said
+    load: int | None = wire_field(ge=0, le=1_000_000, default=None)
+    onward_s: float | None = wire_field(ge=0.0, le=1e6, default=None)
 
 
 def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> None:

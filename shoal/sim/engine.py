@@ -284,18 +284,6 @@ class Simulator(FaultsMixin, KnowledgeMixin):
                 self.send(mb, node, back, "bwd", task.hop - 1)
 
     def choose_hop(self, mb: Microbatch, pos: int, sender: NodeId) -> NodeId | None:
-        planned = mb.route[pos]
-        if planned is not None and pos not in mb.planned and self.policy.detours:
-            after = mb.route[pos + 1] if pos + 1 < len(mb.route) else mb.origin
-            load = self.known_load()  # the sender's neighbours' adverts, not their load now
-            mb.route[pos] = self.policy.detour(
-                self.view,
-                mb.stages[pos],
-                self.nodes[sender].info,
-                self.nodes[planned].info,
-                self.nodes[after].info,
-                load,
-            )
         if mb.route[pos] is None:
             pick = self.policy.next_hop(sender, mb.stages[pos], self.view)
             if pick is None:
@@ -324,12 +312,15 @@ class Simulator(FaultsMixin, KnowledgeMixin):
             self.at(sent + self.config.failure_timeout_s, self.detect, mb, epoch, token)
             return
         if kind != "fwd":
+            if kind == "bwd" and hop + 1 < len(mb.route):
+                self.policy.returned(dst, mb.route[hop + 1])
             self.enqueue(node, mb, kind, hop)
             return
         if not node.accepting:
             self.stats["bounced"] += 1
             self.at(self.now + self._latency_back(mb, hop), self.detect, mb, epoch, token)
             return
+        self._answer(mb, node, hop)
         mb.step_node = dst
         planned = self._planned_start(mb, "fwd", hop)
         if planned > self.now + _EPS:
@@ -338,6 +329,14 @@ class Simulator(FaultsMixin, KnowledgeMixin):
             self.at(planned, self._offer, node, mb, epoch, token, hop)
         else:
             self._offer(node, mb, epoch, token, hop)
+
+    def _answer(self, mb: Microbatch, node: Node, hop: int) -> None:
+        """The receiver's answer to a forward, as a daemon's Ack carries it: its load, counting this
+        microbatch, and its onward cost (GWTF's senders learn their neighbours from these alone)."""
+        onward = self.policy.advert(node.node_id, self.view)
+        if onward is not None:
+            sender = mb.origin if hop == 0 else mb.route[hop - 1]
+            self.policy.heard(sender, node.node_id, len(node.resident) + len(node.waiting) + 1, onward)
 
     def _offer(self, node: Node, mb: Microbatch, epoch: int, token: int, hop: int) -> None:
         """An activation asks for a place in `node`'s memory: admitted now, or queued for one."""

@@ -7,11 +7,13 @@ simulator keeps to that:
 
 - **Load as advertised.** At every heartbeat tick (every `heartbeat_s` of virtual time from the
   start, all nodes in step) each node advertises how many microbatches it holds or has waiting for
-  its memory. Whoever weighs replicas by load (GWTF's detour around a full next hop, the replacement
-  of a lost hop, the capacity baseline) sees those adverts, up to one heartbeat old; before the
+  its memory. Whoever weighs replicas by the DHT's adverts (the replacement of a lost hop, the
+  capacity baseline) sees those adverts, up to one heartbeat old; before the
   first tick, what every node advertised on joining: nothing held.
+- **Answers.** GWTF's senders route on what each receiver answered when it took their last forward
+  (its load then and its onward cost, `Simulator._answer`), as a daemon's Ack carries them.
 - **Re-plans take time.** When the view changes (a departure detected or announced, a joiner
-  ready), a policy's plan (GWTF's flow routes; the other policies keep none) is remade from the view
+  ready), a policy's state (GWTF's neighbour tables warm up again; most policies keep none) follows the view
   as it stood at the next heartbeat tick, and comes into force `replan_s` later. Until then the data
   nodes keep injecting along the old plan; a planned hop through a node the view has lost is
   replaced, when its microbatch is injected, by the policy's replacement rule, as the daemon's
@@ -19,7 +21,7 @@ simulator keeps to that:
 
 `replan_s` is a stated constant, not the planner's measured wall time, so that a seed gives the same
 run on any machine: 1 s covers reading the view and pinging its peers (the daemon does both before
-it re-plans) and the re-plan itself (GWTF at 30 nodes: about 5 ms on 2 shared cores).
+it re-plans) and any re-planning.
 
 What stays shared knowledge: the membership of the view (who serves which stage, how fast, with how
 much memory, and the links), which every node reads from the DHT records. Every policy sees a

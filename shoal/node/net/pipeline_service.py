@@ -24,6 +24,7 @@ from shoal.protocol.pipeline import (
     RecomputeRequest,
     RecoverRequest,
     ResumeForward,
+    RouteNote,
     StageCopyRequest,
     StepClose,
     StepTranscriptRequest,
@@ -72,6 +73,14 @@ class EngineService:
     async def rpc_abandon(self, notice: AbandonNotice, stream: FramedStream, peer: PeerID) -> Ack:
         handler = self._handler("abandon", peer)
         return Ack(accepted=False, reason="not ready") if handler is None else await handler(notice, peer.to_base58())
+
+    async def rpc_route_note(self, note: RouteNote, stream: FramedStream, peer: PeerID) -> Ack:
+        handler = self._handler("route_note", peer)
+        return (
+            Ack(accepted=False, reason="this node sends no forwards")
+            if handler is None
+            else await handler(note, peer.to_base58())
+        )
 
     async def rpc_recover(self, request: RecoverRequest, stream: FramedStream, peer: PeerID) -> Ack:
         handler = self._handler("recover", peer)

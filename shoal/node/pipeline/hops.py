@@ -227,24 +227,24 @@ class PipelineEngine:
 
     async def send(
         self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor, retries: int = SEND_RETRIES
-    ) -> None:
-        """Send one request and its tensor; returns when the receiver acknowledged taking it.
+    ) -> Ack:
+        """Send one request and its tensor; returns the receiver's Ack once it took it.
 
         A stream that fails before the receiver answered is retried on the same peer (receivers
         treat a repeated microbatch as taken), so one broken stream between live peers costs a retry,
         never a replica. A peer that answers "no" is not retried here."""
         for attempt in range(retries + 1):
             try:
-                await self._send_once(peer_id, rpc, request, tensor)
-                return
+                return await self._send_once(peer_id, rpc, request, tensor)
             except HopFailed as e:
                 if e.refused or attempt == retries:
                     raise
                 self.stream_retries += 1
                 logger.info("[%s] %s to %s: %s; retrying", self.ctx.short_id, rpc, peer_id[-8:], e)
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> None:
+    async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> Ack:
         """One hop on a kept stream to the peer if there is one (a kept stream found dead is replaced by
         a fresh one at once: the peer takes a repeat as done), else on a new stream."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
@@ -275,6 +275,7 @@ class PipelineEngine:
         self.traffic.tensors_sent += 1
         self.traffic.bytes_sent += sent
         self.ctx.links.observe_send(peer_id, sent, time.monotonic() - started)
+        return ack
 
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
@@ -421,11 +422,12 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
         target = request.origin if home else request.route[request.hop].peer_id
         try:
             started = time.monotonic()
-            await engine.send(target, "rpc_forward", request, tensor)
+            ack = await engine.send(target, "rpc_forward", request, tensor)
             if not home:
-                engine.ctx.router.observe(
-                    engine.ctx.peer_id, target, request.route[request.hop].stage, time.monotonic() - started
-                )
+                router = engine.ctx.router
+                router.observe(engine.ctx.peer_id, target, request.route[request.hop].stage, time.monotonic() - started)
+                if ack.load is not None and ack.onward_s is not None:
+                    router.heard(engine.ctx.peer_id, target, ack.load, ack.onward_s)
             return request
         except HopFailed as e:
             failures.append(str(e))

@@ -66,6 +66,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecoverRequest,
     ResumeForward,
+    RouteNote,
     StageCopyRequest,
     StepClose,
     check_hop,
@@ -607,6 +608,7 @@ class DataDriver(PipelineEngine):
         if entry.done.done() or entry.embedding_grad:
             return Ack(accepted=True)  # a retried stream
         entry.embedding_grad = True
+        self.ctx.router.returned(self.ctx.peer_id, request.route[0].peer_id)
         self._note_route(entry, request.route)  # with any hop redone by a replacement
         self.spawn(self._embedding_backward(request.microbatch_id, entry, grad), f"embed-bwd {request.microbatch_id}")
         return Ack(accepted=True)
@@ -744,6 +746,27 @@ class DataDriver(PipelineEngine):
         logger.warning("[%s] refused %s from %s: %s", self.ctx.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
+    async def on_route_note(self, note: RouteNote, sender: str) -> Ack:
+        """A hop of this microbatch's forward sent it on to another peer than the route named (it picks
+        the next hop itself, or re-routed): note the peer, so a resume starts from the right hop. Taken
+        only from a hop of it or a replica of the stage before, naming a replica of the stage noted."""
+        entry = self.in_flight.get(note.microbatch_id)
+        if entry is None or entry.done.done() or entry.home or not 0 < note.hop < len(entry.route_peers):
+            return Ack(accepted=False, reason="unknown microbatch, or not in forward")
+        if entry.route_stages[note.hop] != note.stage:
+            return Ack(accepted=False, reason=self._refuse(sender, note.microbatch_id, "a note for another stage"))
+        before = (entry.route_stages[note.hop - 1],)
+        if sender != entry.route_peers[note.hop - 1] and not await self.listed(sender, before):
+            return Ack(accepted=False, reason=self._refuse(sender, note.microbatch_id, "not the hop before"))
+        if not await self.listed(note.peer_id, (note.stage,)):
+            return Ack(accepted=False, reason="the peer noted holds no replica of that stage")
+        old = entry.route_peers[note.hop]
+        if old != note.peer_id:
+            entry.route_peers = tuple(note.peer_id if i == note.hop else p for i, p in enumerate(entry.route_peers))
+            self.load.subtract([old])
+            self.load.update([note.peer_id])
+        return Ack(accepted=True)
+
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:
         """A hop of this microbatch (on its route, or a replica of one of its stages that redid a hop)
         says it cannot go on. Its reason is a peer's text: made printable before we log or keep it."""
@@ -788,6 +811,7 @@ class DataDriver(PipelineEngine):
             "backward": self.on_backward,
             "fetch_output": self.on_fetch_output,
             "abandon": self.on_abandon,
+            "route_note": self.on_route_note,
             "copy_stage": self.on_copy_stage,
             "gossip": self.on_gossip,
             "gradient_share": self.on_gradient_share,

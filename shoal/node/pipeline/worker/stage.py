@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ from shoal.protocol.pipeline import (
     RecomputeRequest,
     RecoverRequest,
     ResumeForward,
+    RouteNote,
     StageCopyRequest,
     StepClose,
     StepTranscriptRequest,
@@ -189,7 +191,7 @@ class StageWorker(PipelineEngine):
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
         if mb in self.forwarding or mb in self.forwarded or mb in self.saved or mb in self.backward_done:
-            return Ack(accepted=True)  # a retried stream (its ack was lost): we already ran it
+            return self._taken()  # a retried stream (its ack was lost): we already ran it
         held = len(self.forwarding) + (len(self.saved) if request.needs_backward else 0)
         if held >= self.ctx.max_inflight:  # evaluation forwards too: every kind of work has a bound
             return Ack(accepted=False, reason=f"busy: {self.ctx.max_inflight} microbatches in flight")
@@ -197,7 +199,15 @@ class StageWorker(PipelineEngine):
         if request.needs_backward:
             self.served[request.origin] = self._expiry()
         self.spawn(self._forward(request, x, tokens), f"forward {mb}")
-        return Ack(accepted=True)
+        return self._taken()
+
+    def _taken(self) -> Ack:
+        """A forward taken, with what GWTF's senders learn of us from it: the microbatches we hold and
+        our onward cost (the router says none under other routings)."""
+        onward = self.ctx.router.advert(self.ctx.peer_id)
+        if onward is None or not math.isfinite(onward):
+            return Ack(accepted=True)
+        return Ack(accepted=True, load=len(self.forwarding) + len(self.saved), onward_s=min(max(onward, 0.0), 1e6))
 
     async def _after_previous_close(self, request: ForwardRequest) -> None:
         """A training forward of step s must run on the weights that its data node's step s-1 left
@@ -305,12 +315,15 @@ class StageWorker(PipelineEngine):
             starts=request.starts,
             tokens=request.tokens,
         )
+        named = None if onward.hop == len(onward.route) else onward.route[onward.hop].peer_id
         onward = self._choose_next_hop(onward)
         try:
             delivered = await push_forward(self, onward, self._outgoing(y.detach()))
+            home = delivered.hop == len(delivered.route)
             if mb in self.saved:
-                home = delivered.hop == len(delivered.route)
                 self.saved[mb].next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
+            if not home and delivered.route[delivered.hop].peer_id != named:
+                self.spawn(self._note_route(delivered), f"route note {mb}")
         except HopFailed as e:
             self._drop(mb)
             await self.notify_abandon(
@@ -329,6 +342,15 @@ class StageWorker(PipelineEngine):
         route = list(onward.route)
         route[onward.hop] = Hop(stage=stage, peer_id=pick)
         return replace(onward, route=tuple(route))
+
+    async def _note_route(self, delivered: ForwardRequest) -> None:
+        """Tell the data node who took the next hop, which its route did not name (RouteNote)."""
+        hop = delivered.route[delivered.hop]
+        note = RouteNote(microbatch_id=delivered.microbatch_id, hop=delivered.hop, stage=hop.stage, peer_id=hop.peer_id)
+        try:
+            await call(self.ctx.p2p, delivered.origin, "rpc_route_note", note, Ack, timeout_s=5.0)
+        except Exception as e:
+            logger.info("[%s] route note for %s: %s", self.ctx.short_id, delivered.microbatch_id, e)
 
     async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
         """A replica redoing the hop after ours asks for its input again: what we sent it."""
@@ -357,6 +379,8 @@ class StageWorker(PipelineEngine):
             return Ack(accepted=False, reason=refusal)
         del self.saved[request.microbatch_id]
         self.backward_done[request.microbatch_id] = self._expiry()
+        if saved.next_stage is not None and saved.next_peer is not None:
+            self.ctx.router.returned(self.ctx.peer_id, saved.next_peer)
         self.spawn(self._backward(request, saved, grad), f"backward {request.microbatch_id}")
         return Ack(accepted=True)
 
@@ -546,6 +570,8 @@ class StageWorker(PipelineEngine):
             delivered = await push_forward(self, onward, self._outgoing(saved.y.detach()))
             home = delivered.hop == len(delivered.route)
             saved.next_peer = delivered.origin if home else delivered.route[delivered.hop].peer_id
+            if not home and delivered.route != onward.route:  # re-routed around a failed replica
+                self.spawn(self._note_route(delivered), f"route note {onward.microbatch_id}")
         except HopFailed as e:
             await self.notify_abandon(
                 onward.origin, onward.microbatch_id, f"resume after stage {self.stage}: {e}",
