@@ -33,6 +33,8 @@ from shoal.demo.launcher import LocalSwarm, done_event, progress_events
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn.json"
+# this benchmark's previous run (250 steps, seed 0): tokens/s under churn / without faults, and GWTF / SWARM
+PREVIOUS = {"commit": "50ebce0", "gwtf": 0.881, "swarm": 0.500, "ratio": 1.762}
 TTL = "6"
 HEADER = (
     "| run | injected | completed | abandoned (reasons) | sent again | resumed | recoveries | hops redone "
@@ -245,7 +247,10 @@ waiting for a stage whose replicas died together.
 
 Throughput (tokens/s over training) under churn / without faults: GWTF **{ratios["gwtf_churn_over_no_faults"]:.2f}**,
 SWARM **{ratios["swarm_churn_over_no_faults"]:.2f}**; GWTF / SWARM under churn **{ratios["gwtf_over_swarm_churn"]:.2f}**
-(one run each: read it as a direction, not a median). The paper (gwtf.md) reports GWTF up to 45 % faster
+(one run each: read it as a direction, not a median). The run before, at {PREVIOUS["commit"]}, when GWTF was
+a central plan per data node and a hop-by-hop sender's choice was unknown to its data node (so SWARM could
+resume a lost forward only where the data node had guessed the hop): GWTF {PREVIOUS["gwtf"]:.2f}, SWARM
+{PREVIOUS["swarm"]:.2f}, GWTF / SWARM {PREVIOUS["ratio"]:.2f}. The paper (gwtf.md) reports GWTF up to 45 % faster
 than SWARM under high churn, on simulated swarms of tens of nodes; this is four workers and a data node on loopback,
 where every link is alike and the difference between the policies is mostly which replica a hop is
 redone on.
