@@ -21,8 +21,9 @@ from shoal.node.net.links import LinkMonitor
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
-from shoal.planning.peer_router import PeerRouter
+from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import NodeInfo, SwarmView
+from shoal.protocol.pipeline import ForwardRequest, Hop, ResumeForward
 from tests.helpers.tiny import tiny_run
 
 PEER = "QmEngineTestPeer000000000000000000000000000001"
@@ -296,3 +297,62 @@ def test_a_data_node_says_which_stages_it_waits_for_and_which_were_rebuilt(tmp_p
     assert [e["event"] for e in events] == ["waiting", "repair"]
     assert events[0]["stages"] == [1] and events[0]["ledger"]["microbatches_in_flight"] == 0
     assert events[1]["step"] == 5 and events[1]["rule"] == "checkfree" and events[1]["sources"] == [1]
+
+
+def test_a_worker_still_computing_a_forward_takes_its_data_nodes_resume_for_when_it_is_done() -> None:
+    """A hop after ours was lost before the activation got there: the data node's resume is taken by
+    the hop that still computes it (it keeps no output yet), checked as a resume of kept output is, and
+    the forward then leaves along the new route; a resume from anyone else, or through other stages,
+    is refused and changes nothing."""
+
+    async def main() -> None:
+        worker = StageWorker(context(tiny_run()), 1)
+        origin, lost, spare, last = "QmOrigin", "QmLostReplica", "QmSpareReplica", "QmLastStage"
+        sent = ForwardRequest(
+            microbatch_id="m1", origin=origin, step=0, hop=0, route=(Hop(1, PEER), Hop(2, lost), Hop(3, last))
+        )
+        worker.computing["m1"] = sent
+        new_route = (Hop(1, PEER), Hop(2, spare), Hop(3, last))
+        try:
+            for sender, route in (
+                ("QmStranger", new_route),
+                (origin, (Hop(1, PEER), Hop(3, spare), Hop(3, last))),
+                (origin, (Hop(1, "QmSomeoneElse"), Hop(2, spare), Hop(3, last))),
+            ):
+                ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=route), sender)
+                assert not ack.accepted and "m1" not in worker.resumed_routes
+            ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=new_route), origin)
+            assert ack.accepted and worker.resumed_routes["m1"] == new_route and worker.resumed == 1
+            ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m2", hop=0, route=new_route), origin)
+            assert not ack.accepted  # neither computing nor kept
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -> None:
+    async def main() -> None:
+        run = tiny_run()
+        worker = StageWorker(context(run), 1)
+        try:
+            assert worker._taken().load is None  # no view yet: nothing to say beyond the accept
+            view = SwarmView(
+                run.run_id,
+                run.pipeline.stages,
+                tuple(0 if s == 0 else 1 for s in range(run.pipeline.stages)),
+                tuple(
+                    NodeInfo(peer, "data" if stage == 0 else "worker", stage, "active", 50.0, 4)
+                    for stage, peer in enumerate(
+                        [f"QmData{'0' * 40}", PEER, *(f"QmStage{s}{'0' * 39}" for s in range(2, run.pipeline.stages))]
+                    )
+                ),
+            )
+            worker.ctx.router.update(Snapshot(view, PEER))
+            worker.forwarding.update({"a", "b"})
+            ack = worker._taken()
+            assert ack.accepted and ack.load == 2 and ack.onward_s is not None and ack.onward_s > 0
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())

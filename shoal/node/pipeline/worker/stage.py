@@ -118,6 +118,10 @@ class StageWorker(PipelineEngine):
         self.sent: dict[str, SentGradient] = {}
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
         self.forwarding: set[str] = set()  # forwards accepted, not yet saved (evaluation: not yet passed on)
+        # the requests of forwards still computing, and routes their data node resumed them on meanwhile:
+        # a hop after ours was lost before the activation got there
+        self.computing: dict[str, ForwardRequest] = {}
+        self.resumed_routes: dict[str, tuple[Hop, ...]] = {}
         self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
         self.served: dict[str, float] = {}  # data node -> when to forget that we took its training forwards
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
@@ -196,6 +200,7 @@ class StageWorker(PipelineEngine):
         if held >= self.ctx.max_inflight:  # evaluation forwards too: every kind of work has a bound
             return Ack(accepted=False, reason=f"busy: {self.ctx.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
+        self.computing[mb] = request
         if request.needs_backward:
             self.served[request.origin] = self._expiry()
         self.spawn(self._forward(request, x, tokens), f"forward {mb}")
@@ -290,6 +295,8 @@ class StageWorker(PipelineEngine):
             await self._forward_and_pass_on(request, x, tokens)
         finally:  # an evaluation forward holds its slot until its output is delivered or given up
             self.forwarding.discard(request.microbatch_id)
+            self.computing.pop(request.microbatch_id, None)
+            self.resumed_routes.pop(request.microbatch_id, None)
 
     async def _forward_and_pass_on(self, request: ForwardRequest, x: torch.Tensor, tokens: torch.Tensor | None) -> None:
         mb = request.microbatch_id
@@ -305,14 +312,16 @@ class StageWorker(PipelineEngine):
             if request.needs_backward:  # from here on `saved` holds its slot
                 self.forwarding.discard(mb)
         self.forwards += 1
+        self.computing.pop(mb, None)
+        resumed = self.resumed_routes.pop(mb, None)  # without planned starts: not the path planned
         onward = ForwardRequest(
             microbatch_id=mb,
             origin=request.origin,
             step=request.step,
             hop=request.hop + 1,
-            route=request.route,
+            route=request.route if resumed is None else resumed,
             needs_backward=request.needs_backward,
-            starts=request.starts,
+            starts=request.starts if resumed is None else (),
             tokens=request.tokens,
         )
         named = None if onward.hop == len(onward.route) else onward.route[onward.hop].peer_id
@@ -550,6 +559,9 @@ class StageWorker(PipelineEngine):
         instead. Only for the microbatch as we forwarded it, from its own data node, and only to the
         stage we passed it to."""
         saved = self.saved.get(request.microbatch_id)
+        computing = self.computing.get(request.microbatch_id)
+        if saved is None and computing is not None:
+            return self._resume_when_computed(request, computing, sender)
         if saved is None or sender != saved.origin:
             return Ack(accepted=False, reason="no output kept for that microbatch from that data node")
         route, hop = request.route, request.hop
@@ -563,6 +575,20 @@ class StageWorker(PipelineEngine):
         )  # fmt: skip
         self.resumed += 1
         self.spawn(self._resume(onward, saved), f"resume {request.microbatch_id}")
+        return Ack(accepted=True)
+
+    def _resume_when_computed(self, request: ResumeForward, computing: ForwardRequest, sender: str) -> Ack:
+        """The lost hop is one the activation has not reached yet and ours still computes it: pass it
+        on along the new route once computed. Checked as a resume of kept output is."""
+        route, hop = request.route, request.hop
+        if sender != computing.origin or hop != computing.hop or not 0 <= hop < len(route):
+            return Ack(accepted=False, reason="that route does not name us where we are forwarding it")
+        if route[hop].peer_id != self.ctx.peer_id or len(route) != len(computing.route):
+            return Ack(accepted=False, reason="that route does not name us where we are forwarding it")
+        if any(a.stage != b.stage for a, b in zip(route, computing.route, strict=True)):
+            return Ack(accepted=False, reason="that route sends it through other stages than we were sent")
+        self.resumed_routes[request.microbatch_id] = route
+        self.resumed += 1
         return Ack(accepted=True)
 
     async def _resume(self, onward: ForwardRequest, saved: Saved) -> None:
