@@ -27,6 +27,7 @@ from shoal.protocol.pipeline import ForwardRequest, Hop, ResumeForward
 from tests.helpers.tiny import tiny_run
 
 PEER = "QmEngineTestPeer000000000000000000000000000001"
+DATA = "QmEngineTestData000000000000000000000000000001"
 
 
 class Published:
@@ -336,7 +337,7 @@ def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -
         run = tiny_run()
         worker = StageWorker(context(run), 1)
         try:
-            assert worker._taken().load is None  # no view yet: nothing to say beyond the accept
+            assert worker._taken(DATA).load is None  # no view yet: nothing to say beyond the accept
             view = SwarmView(
                 run.run_id,
                 run.pipeline.stages,
@@ -344,13 +345,13 @@ def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -
                 tuple(
                     NodeInfo(peer, "data" if stage == 0 else "worker", stage, "active", 50.0, 4)
                     for stage, peer in enumerate(
-                        [f"QmData{'0' * 40}", PEER, *(f"QmStage{s}{'0' * 39}" for s in range(2, run.pipeline.stages))]
+                        [DATA, PEER, *(f"QmStage{s}{'0' * 39}" for s in range(2, run.pipeline.stages))]
                     )
                 ),
             )
             worker.ctx.router.update(Snapshot(view, PEER))
             worker.forwarding.update({"a", "b"})
-            ack = worker._taken()
+            ack = worker._taken(DATA)
             assert ack.accepted and ack.load == 2 and ack.onward_s is not None and ack.onward_s > 0
         finally:
             await worker.stop()

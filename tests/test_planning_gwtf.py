@@ -94,13 +94,13 @@ def test_the_daemons_view_becomes_a_planning_swarm_with_measured_links():
     assert a.forward_s == 2 / 10.0 / 2.5 and c.forward_s == 2 / 5.0 / 2.5 and c.memory == 2
     assert swarm.latency(d, a) == swarm.latency(a, d) == 0.02 and swarm.bandwidth(a, d) == 1e8
     assert swarm.latency(a, c) == 0.1  # unmeasured: the stated default
-    assert choose_next_hop(swarm, COST, d, 2, NeighbourTable(), random.Random(0)) == c.node_id
+    assert choose_next_hop(swarm, COST, d, 2, NeighbourTable(), random.Random(0), d.node_id) == c.node_id
 
 
 def _greedy(rng, table, swarm, sender, stage):
     """A decision after the annealing has cooled: the cheapest arrival, nothing else."""
     table.decisions = 10 * ANNEAL_DECISIONS
-    return choose_next_hop(swarm, COST, sender, stage, table, rng)
+    return choose_next_hop(swarm, COST, sender, stage, table, rng, 0)
 
 
 def test_a_sender_takes_the_near_replica_until_its_answer_says_it_is_full():
@@ -110,11 +110,11 @@ def test_a_sender_takes_the_near_replica_until_its_answer_says_it_is_full():
     table, rng = NeighbourTable(), random.Random(0)
     assert _greedy(rng, table, swarm, d, 1) == 1
     assert _greedy(rng, table, swarm, d, 1) == 2  # the first send is not answered yet: near counts as full
-    table.heard_from(1, 1, 3.0)  # near answered: it holds one, all it can
-    table.heard_from(2, 1, 3.0)
+    table.heard_from(1, 1, 3.0, 0)  # near answered: it holds one, all it can
+    table.heard_from(2, 1, 3.0, 0)
     assert table.load_of(1) == 1 and table.unanswered[1] == 0
     assert _greedy(rng, table, swarm, d, 1) == 1  # both full: the cheaper link, to wait there
-    table.heard_from(1, 2, 3.0)
+    table.heard_from(1, 2, 3.0, 0)
     table.returned(2)  # a gradient came back from far: it has room again, near still has none
     assert table.load_of(2) == 0
     assert _greedy(rng, table, swarm, d, 1) == 2
@@ -127,20 +127,20 @@ def test_the_onward_cost_travels_upstream_in_answers():
     s2 = PlanNode(3, 2, 0, 1.0, 4)
     s3 = PlanNode(4, 3, 0, 1.0, 4)
     swarm = _swarm([d, a, b, s2, s3])
-    unloaded = unloaded_onward_s(swarm, COST)
+    unloaded = unloaded_onward_s(swarm, COST, 0)
     assert unloaded[4] == hop_cost(swarm, COST, s3, d)
     assert unloaded[3] == hop_cost(swarm, COST, s2, s3) + unloaded[4]
     table = NeighbourTable()
-    assert onward_s(swarm, COST, s3, table) == unloaded[4]  # the last stage: the hop home
+    assert onward_s(swarm, COST, s3, table, 0) == unloaded[4]  # the last stage: the hop home
     # stage-2's node tells stage 1's what its queue costs, and stage 1's folds it into its own advert
     mine = NeighbourTable()
-    mine.heard_from(3, 5, unloaded[3])
-    queued = onward_s(swarm, COST, a, mine)
+    mine.heard_from(3, 5, unloaded[3], 0)
+    queued = onward_s(swarm, COST, a, mine, 0)
     assert queued == hop_cost(swarm, COST, a, s2) + 5 * COST.compute_s(s2) + unloaded[3]
     # the data node heard both replicas of stage 1: the one with the dearer way on loses
-    table.heard_from(1, 0, queued)
-    table.heard_from(2, 0, unloaded[2])
-    assert arrival_s(swarm, COST, d, a, table) > arrival_s(swarm, COST, d, b, table)
+    table.heard_from(1, 0, queued, 0)
+    table.heard_from(2, 0, unloaded[2], 0)
+    assert arrival_s(swarm, COST, d, a, table, 0) > arrival_s(swarm, COST, d, b, table, 0)
     assert _greedy(random.Random(0), table, swarm, d, 1) == 2
 
 
@@ -161,9 +161,11 @@ def test_senders_who_never_talk_to_each_other_share_replicas_by_their_answers():
             for stage in (1, 2):
                 table = tables[previous.node_id]
                 table.decisions = 10 * ANNEAL_DECISIONS
-                pick = choose_next_hop(swarm, cost, previous, stage, table, rng)
+                home = sender.node_id
+                pick = choose_next_hop(swarm, cost, previous, stage, table, rng, home)
                 held[pick] += 1
-                table.heard_from(pick, held[pick], onward_s(swarm, cost, swarm.node(pick), tables[pick]))
+                answer = onward_s(swarm, cost, swarm.node(pick), tables[pick], home)
+                table.heard_from(pick, held[pick], answer, home)
                 previous = swarm.node(pick)
     assert set(held) == {b.node_id for b in blocks}
     for stage in (1, 2):
@@ -179,10 +181,10 @@ def test_the_annealing_tries_a_near_equal_replica_while_warm_and_not_once_cold()
     def picks(table: NeighbourTable) -> Counter:
         rng, out = random.Random(0), Counter()
         for replica in (1, 2):
-            table.heard_from(replica, 0, 1.0)
+            table.heard_from(replica, 0, 1.0, 0)
         for _ in range(ANNEAL_DECISIONS):
-            pick = choose_next_hop(swarm, COST, d, 1, table, rng)
-            table.heard_from(pick, 0, 1.0)  # answers that leave the queues empty: only the annealing moves
+            pick = choose_next_hop(swarm, COST, d, 1, table, rng, 0)
+            table.heard_from(pick, 0, 1.0, 0)  # answers that leave the queues empty: only the annealing moves
             out[pick] += 1
         return out
 
@@ -201,9 +203,9 @@ def test_when_every_replica_is_full_a_sender_still_queues_at_one():
     d = PlanNode(0, 0, 0, 1.0, 4)
     swarm = Swarm((d, PlanNode(1, 1, 0, 1.0, 2), PlanNode(2, 2, 0, 1.0, 2)), 3, ((0.001,),), ((1e9,),))
     table = NeighbourTable()
-    table.heard_from(1, 2, 1.0)
-    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0)) == 1
-    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0), exclude={1}) is None
+    table.heard_from(1, 2, 1.0, 0)
+    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0), 0) == 1
+    assert choose_next_hop(swarm, COST, d, 1, table, random.Random(0), 0, exclude={1}) is None
 
 
 def test_the_joiners_estimate_spreads_routes_over_replicas_and_serves_every_data_node():
@@ -215,3 +217,17 @@ def test_the_joiners_estimate_spreads_routes_over_replicas_and_serves_every_data
     assert {r[0] for r in routes.routes} == {0, 1, 2, 3}
     load = Counter(h for r in routes.routes for h in r[1:])
     assert set(load) == {b.node_id for b in blocks} and max(load.values()) - min(load.values()) <= 1, load
+
+
+def test_a_microbatch_goes_through_the_last_stage_replica_nearest_its_own_data_node():
+    """Onward costs are per data node: an answer is about one microbatch, and the last hop is home."""
+    west, east = PlanNode(0, 0, 0, 1.0, 4), PlanNode(1, 0, 2, 1.0, 4)
+    middle = [PlanNode(2, 1, 1, 1.0, 4), PlanNode(3, 2, 1, 1.0, 4)]
+    near_west, near_east = PlanNode(4, 3, 0, 1.0, 4), PlanNode(5, 3, 2, 1.0, 4)
+    swarm = _swarm([west, east, *middle, near_west, near_east])
+    table, rng = NeighbourTable(), random.Random(0)
+    sender = middle[1]
+    assert _greedy(rng, table, swarm, sender, 3) == 4  # bound for the west data node (home 0)
+    table.decisions = 10 * ANNEAL_DECISIONS
+    assert choose_next_hop(swarm, COST, sender, 3, table, rng, east.node_id) == 5
+    assert onward_s(swarm, COST, near_west, table, 0) < onward_s(swarm, COST, near_west, table, 1)

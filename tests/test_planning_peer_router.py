@@ -66,11 +66,11 @@ def test_an_excluded_peer_is_replaced_and_none_when_a_stage_has_nobody_else():
 def test_swarm_routing_is_hop_by_hop_and_learns_from_observed_times():
     router = _router("swarm")
     assert router.hop_by_hop
-    router.next_hop("a1", 2)  # a sender's balancer exists once it has sent
+    router.next_hop("a1", 2, "data")  # a sender's balancer exists once it has sent
     for _ in range(20):
         router.observe("a1", "b1", 2, 5.0)
         router.observe("a1", "b2", 2, 0.05)
-    picks = Counter(router.next_hop("a1", 2) for _ in range(20))
+    picks = Counter(router.next_hop("a1", 2, "data") for _ in range(20))
     assert picks["b2"] > picks["b1"]
 
 

@@ -32,9 +32,9 @@ class RecordingGwtf(GwtfPolicy):
         self.replans: list[tuple[float, tuple[int, ...]]] = []
         self.handed: list[tuple[float, int]] = []
 
-    def next_hop(self, sender, stage, view):
+    def next_hop(self, sender, stage, view, origin):
         self.loads.append((self.sim.now, dict(self.sim.known_load())))
-        pick = super().next_hop(sender, stage, view)
+        pick = super().next_hop(sender, stage, view, origin)
         if stage == 1:
             self.handed.append((self.sim.now, pick))
         return pick

@@ -18,8 +18,8 @@ the rest is our interpretation, stated here (papers/gwtf.md, "shoal's interpreta
   arrival cost and cools geometrically to a thousandth of that over `ANNEAL_DECISIONS`, and warms up
   again when the swarm changes. It keeps a node sampling near-equal replicas (so it hears from
   them) where greedy picks alone would lock onto one.
-- At the last block stage the only way on is home; what it advertises is the dearest hop home over
-  the data nodes (the objective is the worst route).
+- Onward costs are per data node: an answer is about one microbatch, and says what getting it home
+  to its own data node costs; at the last block stage that is the hop home.
 
 No node plans a route for the swarm, and none knows another's decisions: capacity holds because
 every sender sees each replica's load as the replica itself reports it.
@@ -62,64 +62,70 @@ def path_cost(swarm: Swarm, cost: CostModel, route: Route) -> float:
 class NeighbourTable:
     """One node's GWTF knowledge: what each neighbour said in its last answer, and what was sent since.
 
-    Plain state, no clock: the caller reports what happened (`sent`, `heard`, `returned`)."""
+    A neighbour's load is one number; its onward cost depends on where the microbatch goes home to,
+    so it is kept per data node (each answer is about one microbatch, whose data node it names).
+    Plain state, no clock: the caller reports what happened (`sent`, `heard_from`, `returned`)."""
 
     def __init__(self) -> None:
-        self.heard: dict[NodeId, tuple[int, float]] = {}  # neighbour -> (load, onward cost s) it answered
+        self.load: dict[NodeId, int] = {}  # neighbour -> the load it answered last
+        self.onward: dict[tuple[NodeId, NodeId], float] = {}  # (neighbour, home) -> onward cost s answered
         self.unanswered: Counter[NodeId] = Counter()  # sent to it since, not yet answered
         self.decisions = 0  # since the last warm-up: the annealing's clock
-        self._static: tuple[Swarm, dict[NodeId, float]] | None = None
+        self._unloaded: tuple[Swarm, dict[NodeId, dict[NodeId, float]]] | None = None
 
     def sent(self, node: NodeId) -> None:
         self.unanswered[node] += 1
         self.decisions += 1
 
-    def heard_from(self, node: NodeId, load: int, onward_s: float) -> None:
-        """`node` answered a forward: it now holds `load` microbatches and gets one home in `onward_s`."""
-        self.heard[node] = (max(0, load), max(0.0, onward_s))
+    def heard_from(self, node: NodeId, load: int, onward_s: float, home: NodeId) -> None:
+        """`node` took a forward going home to `home`: it now holds `load` microbatches, and gets one
+        home from there in `onward_s`."""
+        self.load[node] = max(0, load)
+        self.onward[(node, home)] = max(0.0, onward_s)
         if self.unanswered[node] > 0:
             self.unanswered[node] -= 1
 
     def returned(self, node: NodeId) -> None:
         """A gradient came back from `node`: it holds one microbatch fewer than it last said."""
-        if node in self.heard:
-            load, onward = self.heard[node]
-            self.heard[node] = (max(0, load - 1), onward)
+        if node in self.load:
+            self.load[node] = max(0, self.load[node] - 1)
 
     def warm_up(self, view: Swarm) -> None:
         """The swarm changed: forget the nodes it lost, and anneal afresh."""
         self.decisions = 0
-        for gone in [n for n in self.heard if n not in view.by_id]:
-            del self.heard[gone]
-        for gone in [n for n in self.unanswered if n not in view.by_id]:
-            del self.unanswered[gone]
+        self.load = {n: v for n, v in self.load.items() if n in view.by_id}
+        self.onward = {k: v for k, v in self.onward.items() if k[0] in view.by_id and k[1] in view.by_id}
+        self.unanswered = Counter({n: v for n, v in self.unanswered.items() if n in view.by_id})
 
     def load_of(self, node: NodeId) -> int:
-        return self.heard.get(node, (0, 0.0))[0] + self.unanswered[node]
+        return self.load.get(node, 0) + self.unanswered[node]
 
-    def onward_of(self, view: Swarm, cost: CostModel, node: NodeId) -> float:
-        if node in self.heard:
-            return self.heard[node][1]
-        if self._static is None or self._static[0] is not view:
-            self._static = (view, unloaded_onward_s(view, cost))
-        return self._static[1].get(node, 0.0)
+    def onward_of(self, view: Swarm, cost: CostModel, node: NodeId, home: NodeId) -> float:
+        if (node, home) in self.onward:
+            return self.onward[(node, home)]
+        if self._unloaded is None or self._unloaded[0] is not view:
+            self._unloaded = (view, {})
+        by_home = self._unloaded[1]
+        if home not in by_home:
+            by_home[home] = unloaded_onward_s(view, cost, home)
+        return by_home[home].get(node, 0.0)
 
     def temperature(self, cheapest_s: float) -> float:
         return ANNEAL_T0 * cheapest_s * 1e-3 ** min(1.0, self.decisions / ANNEAL_DECISIONS)
 
 
-def home_s(view: Swarm, cost: CostModel, node: PlanNode) -> float:
-    """The last block stage's way on: the dearest hop back to a data node."""
-    return max((hop_cost(view, cost, node, home) for home in view.data_nodes), default=0.0)
+def home_s(view: Swarm, cost: CostModel, node: PlanNode, home: NodeId) -> float:
+    """The last block stage's way on: the hop back to the data node the microbatch came from."""
+    return hop_cost(view, cost, node, view.node(home)) if home in view.by_id else 0.0
 
 
-def unloaded_onward_s(view: Swarm, cost: CostModel) -> dict[NodeId, float]:
-    """Every block node's onward cost from the view alone, every queue empty (the last stage first)."""
+def unloaded_onward_s(view: Swarm, cost: CostModel, home: NodeId) -> dict[NodeId, float]:
+    """Every block node's onward cost home to `home` from the view alone, every queue empty."""
     onward: dict[NodeId, float] = {}
     for stage in range(view.stages - 1, 0, -1):
         for node in view.by_stage[stage]:
             if stage == view.stages - 1:
-                onward[node.node_id] = home_s(view, cost, node)
+                onward[node.node_id] = home_s(view, cost, node, home)
             else:
                 nxt = view.by_stage[stage + 1]
                 onward[node.node_id] = min(
@@ -128,18 +134,22 @@ def unloaded_onward_s(view: Swarm, cost: CostModel) -> dict[NodeId, float]:
     return onward
 
 
-def arrival_s(view: Swarm, cost: CostModel, sender: PlanNode, node: PlanNode, table: NeighbourTable) -> float:
-    """What sending one microbatch from `sender` on through `node` costs, by what `sender` knows."""
+def arrival_s(
+    view: Swarm, cost: CostModel, sender: PlanNode, node: PlanNode, table: NeighbourTable, home: NodeId
+) -> float:
+    """What sending a microbatch bound for `home` from `sender` on through `node` costs, by what
+    `sender` knows."""
     queue = table.load_of(node.node_id) * cost.compute_s(node)
-    return hop_cost(view, cost, sender, node) + queue + table.onward_of(view, cost, node.node_id)
+    return hop_cost(view, cost, sender, node) + queue + table.onward_of(view, cost, node.node_id, home)
 
 
-def onward_s(view: Swarm, cost: CostModel, node: PlanNode, table: NeighbourTable) -> float:
-    """What `node` advertises in its answers: the cheapest way home from it, by what it knows."""
+def onward_s(view: Swarm, cost: CostModel, node: PlanNode, table: NeighbourTable, home: NodeId) -> float:
+    """What `node` answers a sender whose microbatch goes home to `home`: the cheapest way there from
+    it, by what it knows."""
     if node.stage == view.stages - 1:
-        return home_s(view, cost, node)
+        return home_s(view, cost, node, home)
     nxt = view.by_stage[node.stage + 1] if node.stage + 1 < view.stages else ()
-    return min((arrival_s(view, cost, node, j, table) for j in nxt), default=0.0)
+    return min((arrival_s(view, cost, node, j, table, home) for j in nxt), default=0.0)
 
 
 def choose_next_hop(
@@ -149,9 +159,11 @@ def choose_next_hop(
     stage: StageIndex,
     table: NeighbourTable,
     rng: random.Random,
+    home: NodeId,
     exclude: Collection[NodeId] = (),
 ) -> NodeId | None:
-    """The replica of `stage` that `sender` sends its next microbatch to, or None if there is none.
+    """The replica of `stage` that `sender` sends its next microbatch (bound for `home`) to, or None
+    if there is none.
 
     The cheapest arrival among replicas with room (all of them if none has room), or, with the
     annealing's probability, one other replica with room proposed at random. Counts the send."""
@@ -161,7 +173,7 @@ def choose_next_hop(
     room = [n for n in replicas if table.load_of(n.node_id) < n.memory] or replicas
     # ties go at random, as SWARM's balancer breaks them: senders that know nothing yet of a stage
     # would otherwise all start on its lowest-numbered replica
-    scored = sorted((arrival_s(view, cost, sender, n, table), rng.random(), n.node_id) for n in room)
+    scored = sorted((arrival_s(view, cost, sender, n, table, home), rng.random(), n.node_id) for n in room)
     cheapest_s, _, pick = scored[0]
     if len(scored) > 1:
         other_s, _, other = scored[rng.randrange(1, len(scored))]

@@ -110,7 +110,7 @@ class PeerRouter:
         if self.policy.hop_by_hop:
             hops: list[PeerID] = []
             for stage in range(1, swarm.stages):
-                pick = self.next_hop(hops[-1] if hops else origin, stage, exclude)
+                pick = self.next_hop(hops[-1] if hops else origin, stage, origin, exclude)
                 if pick is None:
                     return None
                 hops.append(pick)
@@ -149,12 +149,16 @@ class PeerRouter:
         if routed.planned:
             self.policy.finished(routed.origin, routed.planned)
 
-    def next_hop(self, sender: PeerID, stage: StageIndex, exclude: Collection[PeerID] = ()) -> PeerID | None:
+    def next_hop(
+        self, sender: PeerID, stage: StageIndex, origin: PeerID, exclude: Collection[PeerID] = ()
+    ) -> PeerID | None:
         """The replica of `stage` the sender picks for the next hop (SWARM: by its balancer; GWTF: by
         its neighbour table)."""
         if self.swarm is None or not self._live(sender):
             return self._any_replica(stage, exclude)
-        pick = self.policy.next_hop(self.ids[sender], stage, self._without(exclude))
+        if origin not in self.ids:
+            return self._any_replica(stage, exclude)
+        pick = self.policy.next_hop(self.ids[sender], stage, self._without(exclude), self.ids[origin])
         return None if pick is None else self.peers[pick]
 
     def replace(
@@ -186,21 +190,23 @@ class PeerRouter:
         if sender in self.ids and receiver in self.ids:
             self.policy.observe(self.ids[sender], self.ids[receiver], stage, seconds)
 
-    def heard(self, sender: PeerID, receiver: PeerID, load: int, onward_s: float) -> None:
-        """`receiver` answered a forward from `sender` with its load and onward cost (GWTF learns it)."""
-        if sender in self.ids and receiver in self.ids:
-            self.policy.heard(self.ids[sender], self.ids[receiver], load, onward_s)
+    def heard(self, sender: PeerID, receiver: PeerID, load: int, onward_s: float, home: PeerID) -> None:
+        """`receiver` answered a forward from `sender` of a microbatch of data node `home` with its load
+        and its onward cost there (GWTF learns it)."""
+        if sender in self.ids and receiver in self.ids and home in self.ids:
+            self.policy.heard(self.ids[sender], self.ids[receiver], load, onward_s, self.ids[home])
 
     def returned(self, sender: PeerID, receiver: PeerID) -> None:
         """A gradient came back to `sender` from `receiver`, the hop after it (GWTF learns it)."""
         if sender in self.ids and receiver in self.ids:
             self.policy.returned(self.ids[sender], self.ids[receiver])
 
-    def advert(self, me: PeerID) -> float | None:
-        """What `me` tells a sender whose forward it takes: its onward cost (GWTF); None otherwise."""
-        if self.swarm is None or not self._live(me):
+    def advert(self, me: PeerID, home: PeerID) -> float | None:
+        """What `me` tells a sender whose forward of data node `home`'s microbatch it takes: its onward
+        cost there (GWTF); None otherwise."""
+        if self.swarm is None or not self._live(me) or not self._live(home):
             return None
-        return self.policy.advert(self.ids[me], self.swarm)
+        return self.policy.advert(self.ids[me], self.swarm, self.ids[home])
 
     def place(self, view: SwarmView, me: Candidate, forward_s: float, memory: int) -> StageIndex:
         """The stage for this node. The data role and empty stages come first, settled by seniority

@@ -64,20 +64,23 @@ class Policy:
     def finished(self, origin: NodeId, route: tuple[NodeId, ...]) -> None:
         """A microbatch injected on `route` completed or was abandoned (frees its slot)."""
 
-    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm, origin: NodeId) -> NodeId | None:
+        """Hop-by-hop policies: the replica of `stage` that `sender` passes a microbatch of `origin` to."""
         raise NotImplementedError(f"{self.name} follows planned routes")
 
     def observe(self, sender: NodeId, receiver: NodeId, stage: StageIndex, seconds: float) -> None:
         """How long a forward request from sender to receiver took (only SWARM listens)."""
 
-    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float) -> None:
-        """`receiver` answered a forward from `sender` with its load and onward cost (only GWTF listens)."""
+    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float, home: NodeId) -> None:
+        """`receiver` answered a forward from `sender` of a microbatch bound for `home` with its load
+        and its onward cost there (only GWTF listens)."""
 
     def returned(self, sender: NodeId, receiver: NodeId) -> None:
         """A gradient came back to `sender` from `receiver`, the hop after it (only GWTF listens)."""
 
-    def advert(self, node: NodeId, view: Swarm) -> float | None:
-        """The onward cost `node` tells the senders it answers (GWTF); None: this policy sends none."""
+    def advert(self, node: NodeId, view: Swarm, home: NodeId) -> float | None:
+        """The onward cost to `home` that `node` tells a sender it answers (GWTF); None: this policy
+        sends none."""
         return None
 
     def replace(
@@ -142,21 +145,21 @@ class GwtfPolicy(Policy):
     def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
         return ()
 
-    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm, origin: NodeId) -> NodeId | None:
         node = view.by_id.get(sender)
         if node is None:
             return None
-        return self._timed(choose_next_hop, view, self.cost, node, stage, self.table(sender), self.rng)
+        return self._timed(choose_next_hop, view, self.cost, node, stage, self.table(sender), self.rng, origin)
 
-    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float) -> None:
-        self.table(sender).heard_from(receiver, load, onward_s)
+    def heard(self, sender: NodeId, receiver: NodeId, load: int, onward_s: float, home: NodeId) -> None:
+        self.table(sender).heard_from(receiver, load, onward_s, home)
 
     def returned(self, sender: NodeId, receiver: NodeId) -> None:
         self.table(sender).returned(receiver)
 
-    def advert(self, node: NodeId, view: Swarm) -> float | None:
+    def advert(self, node: NodeId, view: Swarm, home: NodeId) -> float | None:
         me = view.by_id.get(node)
-        return None if me is None else self._timed(onward_s, view, self.cost, me, self.table(node))
+        return None if me is None else self._timed(onward_s, view, self.cost, me, self.table(node), home)
 
     def view_changed(self, view: Swarm) -> None:
         for table in self.tables.values():
@@ -177,7 +180,7 @@ class SwarmPolicy(Policy):
     def new_route(self, origin: NodeId, view: Swarm) -> tuple[NodeId, ...] | None:
         return ()
 
-    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm) -> NodeId | None:
+    def next_hop(self, sender: NodeId, stage: StageIndex, view: Swarm, origin: NodeId) -> NodeId | None:
         candidates = [n.node_id for n in view.by_stage[stage]]
         if not candidates:
             return None

@@ -285,7 +285,7 @@ class Simulator(FaultsMixin, KnowledgeMixin):
 
     def choose_hop(self, mb: Microbatch, pos: int, sender: NodeId) -> NodeId | None:
         if mb.route[pos] is None:
-            pick = self.policy.next_hop(sender, mb.stages[pos], self.view)
+            pick = self.policy.next_hop(sender, mb.stages[pos], self.view, mb.origin)
             if pick is None:
                 self.abandon(mb, f"no live node in stage {mb.stages[pos]}")
                 return None
@@ -333,10 +333,10 @@ class Simulator(FaultsMixin, KnowledgeMixin):
     def _answer(self, mb: Microbatch, node: Node, hop: int) -> None:
         """The receiver's answer to a forward, as a daemon's Ack carries it: its load, counting this
         microbatch, and its onward cost (GWTF's senders learn their neighbours from these alone)."""
-        onward = self.policy.advert(node.node_id, self.view)
+        onward = self.policy.advert(node.node_id, self.view, mb.origin)
         if onward is not None:
             sender = mb.origin if hop == 0 else mb.route[hop - 1]
-            self.policy.heard(sender, node.node_id, len(node.resident) + len(node.waiting) + 1, onward)
+            self.policy.heard(sender, node.node_id, len(node.resident) + len(node.waiting) + 1, onward, mb.origin)
 
     def _offer(self, node: Node, mb: Microbatch, epoch: int, token: int, hop: int) -> None:
         """An activation asks for a place in `node`'s memory: admitted now, or queued for one."""

@@ -427,7 +427,7 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
                 router = engine.ctx.router
                 router.observe(engine.ctx.peer_id, target, request.route[request.hop].stage, time.monotonic() - started)
                 if ack.load is not None and ack.onward_s is not None:
-                    router.heard(engine.ctx.peer_id, target, ack.load, ack.onward_s)
+                    router.heard(engine.ctx.peer_id, target, ack.load, ack.onward_s, request.origin)
             return request
         except HopFailed as e:
             failures.append(str(e))

@@ -195,7 +195,7 @@ class StageWorker(PipelineEngine):
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
         if mb in self.forwarding or mb in self.forwarded or mb in self.saved or mb in self.backward_done:
-            return self._taken()  # a retried stream (its ack was lost): we already ran it
+            return self._taken(request.origin)  # a retried stream (its ack was lost): we already ran it
         held = len(self.forwarding) + (len(self.saved) if request.needs_backward else 0)
         if held >= self.ctx.max_inflight:  # evaluation forwards too: every kind of work has a bound
             return Ack(accepted=False, reason=f"busy: {self.ctx.max_inflight} microbatches in flight")
@@ -204,12 +204,12 @@ class StageWorker(PipelineEngine):
         if request.needs_backward:
             self.served[request.origin] = self._expiry()
         self.spawn(self._forward(request, x, tokens), f"forward {mb}")
-        return self._taken()
+        return self._taken(request.origin)
 
-    def _taken(self) -> Ack:
+    def _taken(self, origin: str) -> Ack:
         """A forward taken, with what GWTF's senders learn of us from it: the microbatches we hold and
         our onward cost (the router says none under other routings)."""
-        onward = self.ctx.router.advert(self.ctx.peer_id)
+        onward = self.ctx.router.advert(self.ctx.peer_id, origin)
         if onward is None or not math.isfinite(onward):
             return Ack(accepted=True)
         return Ack(accepted=True, load=len(self.forwarding) + len(self.saved), onward_s=min(max(onward, 0.0), 1e6))
@@ -345,7 +345,7 @@ class StageWorker(PipelineEngine):
         if not router.hop_by_hop or onward.hop >= len(onward.route):
             return onward
         stage = onward.route[onward.hop].stage
-        pick = router.next_hop(self.ctx.peer_id, stage, exclude=self.banned())
+        pick = router.next_hop(self.ctx.peer_id, stage, onward.origin, exclude=self.banned())
         if pick is None or pick == onward.route[onward.hop].peer_id:
             return onward
         route = list(onward.route)
