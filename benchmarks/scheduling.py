@@ -492,9 +492,10 @@ def _churn_section(r: dict) -> list[str]:
     out += [
         "",
         "Our GWTF is an interpretation (the paper publishes no code; `planning/gwtf.py` states it). Deciding "
-        "hop by hop from answers alone costs what the central plan's view of the whole swarm bought without "
-        "churn, and keeps most of its lead under high churn, where a plan is stale between heartbeats and a "
-        "sender's own answers are not. The SWARM model still differs from SWARM's public code in ways left "
+        "hop by hop from answers alone gives up what the central plan's view of the whole swarm bought without "
+        "churn (GWTF level with SWARM), and keeps a lead under high churn, where a plan is stale between "
+        "heartbeats and a sender's own answers are not: about half the plan's on homogeneous nodes, nearly all "
+        "of it on heterogeneous ones. The SWARM model still differs from SWARM's public code in ways left "
         "alone here: its balancers see every view change at once (the public client re-reads the DHT every "
         "30 s), and its replicas hold activations between forward and backward and run a plain backward, where "
         "a public SWARM server keeps nothing between calls and recomputes the forward inside every backward "
