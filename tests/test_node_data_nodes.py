@@ -17,8 +17,9 @@ def test_two_data_nodes_share_every_replica_and_lose_nothing(swarm, tmp_path):
     """A worker serves both data nodes, whose steps do not line up: it must never step (AdamW, in
     place) while it holds a graph of either's, nor refuse the closes of a data node it serves before
     its view lists it (that stalled the newer data node's next step for two 5 s waits). How GWTF
-    shares the routes between replicas is not checked here: it follows the speeds the workers claim,
-    and seven processes measuring at once on two cores claim speeds up to 4x apart. The second data
+    shares the routes between replicas is not checked here: its costs take each replica's compute time
+    from the speed it claims, and seven processes measuring at once on two cores claim speeds up to 4x
+    apart. The second data
     node keeps the corpus at another path (`--data`); a third, with other text, is refused."""
     run_file = write_tiny_run(tmp_path, **{"train.steps": 20, "averaging.mode": "none"})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
