@@ -178,7 +178,9 @@ def test_the_simulator_and_real_daemons_resume_a_forward_lost_after_its_hop_took
         "defense.step_audit_rate": 0.0,
     })  # fmt: skip
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    common = ("--record-ttl", TTL, "--role", "worker")
+    # random replicas everywhere: under GWTF the stage-1 worker would pick the stage-2 hop itself, and
+    # keep to the replica it has measured while one microbatch at a time leaves it idle
+    common = ("--record-ttl", TTL, "--role", "worker", "--routing", "random")
     upstream = swarm.start_node([entry], *common, "--stage", "1", "--stats-file", str(tmp_path / "up.json"), wait=False)
     # the victim dies (as if SIGKILLed) in the first forward that reaches it, after acknowledging it
     victim = swarm.start_node([entry], *common, "--stage", "2", "--inject-crash-at-step", "0", wait=False)
