@@ -70,7 +70,7 @@ from shoal.protocol.rollout import Completion
 from shoal.protocol.tensors import DTYPE_SIZES, TensorHeader, TensorMeta, TensorSpec, frame_payload
 from shoal.protocol.version import PROTOCOL_VERSION
 from tests.helpers.processes import metrics
-from tests.helpers.raw_frames import send_with_tensor
+from tests.helpers.raw_frames import send_with_tensor, unchecked_encode
 from tests.helpers.tiny import tiny_run, write_tiny_run
 from tests.test_protocol_codec import any_message, message_strategy
 
@@ -552,7 +552,7 @@ def vary(data: bytes, variant: str, rng: random.Random) -> bytes:
 async def deliver(
     client: SwarmDHT, peer_id: str, case: Case, names: dict[str, str], tally: Tally, variant: str, rng: random.Random
 ) -> None:
-    chunks = [p if isinstance(p, bytes) else frame(encode(resolve(p, names), max_bytes=2**31)) for p in case.parts]
+    chunks = [p if isinstance(p, bytes) else frame(unchecked_encode(resolve(p, names))) for p in case.parts]
     reply = case.reply
     if variant != "drawn":
         chunks = [vary(b"".join(chunks), variant, rng)]

@@ -9,8 +9,10 @@ msgpack.
 
 from __future__ import annotations
 
-from typing import TypeVar
+import dataclasses
+from typing import Any, TypeVar
 
+import msgpack
 import torch
 from hivemind.p2p import P2P, PeerID
 
@@ -18,9 +20,25 @@ from shoal.dht.swarm import SwarmDHT
 from shoal.node.net.transport import RemoteError, open_call, read_reply
 from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack
+from shoal.protocol.registry import tag_of
 from shoal.protocol.tensors import TensorMeta, frame_payload
+from shoal.protocol.version import PROTOCOL_VERSION
 
 Reply = TypeVar("Reply")
+
+
+def unchecked_encode(message: object) -> bytes:
+    """A message in the wire's envelope with none of the sender's schema checks: what a hostile peer's
+    own encoder writes (a negative hop, a string over its bound). The receiver's decoder must refuse it."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": tag_of(type(message)), "b": _plain(message)}, use_bin_type=True)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
 
 
 async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
