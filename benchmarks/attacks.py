@@ -53,7 +53,7 @@ from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, ro
 from shoal.grpo.tasks import get_task, task_seed
 from shoal.grpo.warmup import cached_warm_up
 from shoal.model.corpus import cache_dir
-from shoal.train.grpo import GRPOConfig
+from shoal.grpo.loss import GRPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "attacks.json"

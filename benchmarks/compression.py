@@ -6,7 +6,7 @@ costs in loss at equal steps, and the speed a 100 Mbit/s, 30 ms link leaves (iss
         "subspace 16 + int8 + topk outer"                      # small, 3 settings x 3 seeds
     .venv/bin/python benchmarks/compression.py --seeds 0 --steps 20   # a quick look
 
-First the shaper itself (shoal/node/net/shaper.py; kernel netem is not available here): a bare framed
+First the shaper itself (shoal/p2p/shaper.py; kernel netem is not available here): a bare framed
 stream on loopback, 8 MiB through it and 20 one-frame round trips, against the configured shape.
 Then, per setting (`pipeline.wire_dtype` float32, bfloat16 or int8 for activations and gradients;
 `averaging.codec` float32, int8 or topk for NoLoCo's exchanges; `model.subspace_rank` k for a
@@ -63,8 +63,8 @@ TRAINING_KINDS = ("activation", "gradient", "outer", "copy", "control")  # all b
 async def _bare_stream(link: str) -> dict:
     import torch
 
-    from shoal.node.net import shaper
-    from shoal.node.net.transport import FramedStream
+    from shoal.p2p import shaper
+    from shoal.p2p.streams import FramedStream
     from shoal.protocol.tensors import TensorSpec
 
     shape = shaper.LinkShape.parse(link)
@@ -191,14 +191,14 @@ def markdown(r: dict) -> str:
     lines = [
         f"## Wire compression over a shaped link, `{run_name}` (issue 32)",
         "",
-        f"The shaper (`shoal/node/net/shaper.py`, `--experiment-link {LINK}`: 100 Mbit/s, 30 ms one way) on a bare "
+        f"The shaper (`shoal/p2p/shaper.py`, `--experiment-link {LINK}`: 100 Mbit/s, 30 ms one way) on a bare "
         f"framed stream: 8 MiB took {bare['bulk_s']:.2f} s ({bare['bulk_mbit_per_s']:.0f} Mbit/s; the shape gives "
         f"{bare['bulk_expected_s']:.2f} s), and a one-frame message {bare['message_latency_ms']:.0f} ms (configured "
         f"{bare['configured_latency_ms']:.0f} ms).",
         "",
         f"`{run_name}`, 2 replicas per block stage, NoLoCo every 10 steps, {r['steps']} steps, seeds {r['seeds']}, "
         "every node shaping its sends, the defenses at their defaults. Bytes are every byte each node wrote to its "
-        "streams (frames, requests and acks included; node/net/transport.py `WireBytes`), per trained token: "
+        "streams (frames, requests and acks included; p2p/transport.py `WireBytes`), per trained token: "
         "training bytes are activations, gradients, outer exchanges, copies and control messages; the step audits' "
         "transcripts (a defense sampling 1 step in 10, not training traffic) are counted apart; the DHT's traffic "
         "is not counted. `subspace k`: a Subspace Network (`model.subspace_rank = k`, shoal/model/llama.py), whose "

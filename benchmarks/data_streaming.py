@@ -6,7 +6,7 @@ For each size a synthetic text file is written (pseudo-English from tests/helper
 blocks of about 1 MiB, each from its own seed, laid end to end in a seeded random order), and
 three fresh processes measure, each with an empty cache but the first's tokenizer:
 1. **tokenizer**: the run's BPE (vocabulary 4096, as `tiny`) trained on the first 64 Mi characters;
-2. **streaming**: `shoal.model.data.load_token_splits`, as a data node runs it: digest, tokenize
+2. **streaming**: `shoal.train.data.load_token_splits`, as a data node runs it: digest, tokenize
    in 1 MiB batches into the train/validation files, memory-map them;
 3. **whole** (the baseline, up to --whole-max-mib): what `load_token_splits` did before the
    streaming reader: the whole text read into one string, every line encoded in one batch, the ids
@@ -67,12 +67,12 @@ def child(stage: str, path: str, text_field: str) -> dict:
     data = DataConfig(path=path, text_field=text_field)
     started = time.monotonic()
     if stage == "tokenizer":
-        from shoal.model.data import run_tokenizer
+        from shoal.train.data import run_tokenizer
 
         run_tokenizer(data, VOCAB)
         return {"wall_s": time.monotonic() - started, "peak_rss_mib": peak_rss_mib()}
     if stage == "streaming":
-        from shoal.model.data import load_token_splits
+        from shoal.train.data import load_token_splits
 
         splits = load_token_splits(data, VOCAB)
         wall = time.monotonic() - started
@@ -82,7 +82,7 @@ def child(stage: str, path: str, text_field: str) -> dict:
     if stage == "whole":
         import torch
 
-        from shoal.model.data import run_tokenizer, split_tokens
+        from shoal.train.data import run_tokenizer, split_tokens
         from shoal.model.documents import open_dataset
 
         tokenizer = run_tokenizer(data, VOCAB)  # cached by the tokenizer stage: not timed in either arm

@@ -48,7 +48,7 @@ TAIL_BOUND = 0.01
 def run_file_for(name: str, steps: int, workdir: Path, data: str | None) -> Path:
     run = load_run_config(name).replace({**FULL_PRECISION, "train.steps": steps, "averaging.mode": "none"})
     if data is not None:
-        from shoal.model.data import with_local_data
+        from shoal.train.data import with_local_data
 
         run = with_local_data(run, data)
     path = workdir / f"{name}.toml"
@@ -61,7 +61,7 @@ def local_worker(run_file: str, device_spec: str, out: str) -> None:
     import torch
 
     from shoal.device import choose_device, peak_memory_bytes, reset_peak_memory
-    from shoal.model.data import load_token_splits
+    from shoal.train.data import load_token_splits
     from shoal.train.reference import ReferenceTrainer
 
     run = load_run_config(run_file)

@@ -43,7 +43,7 @@ from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, ro
 from shoal.grpo.tasks import get_task
 from shoal.grpo.warmup import cached_warm_up
 from shoal.model.corpus import cache_dir
-from shoal.train.grpo import MODES, GRPOConfig
+from shoal.grpo.loss import MODES, GRPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "grpo.json"

@@ -155,7 +155,7 @@ def local_worker(run_file: str, threads: int, out: str) -> None:
     """Runs in a child process: train `run_file` with `threads` torch threads; write every step."""
     import torch
 
-    from shoal.model.data import load_token_splits
+    from shoal.train.data import load_token_splits
     from shoal.train.reference import ReferenceTrainer
 
     torch.set_num_threads(threads)
@@ -330,7 +330,7 @@ class Sink:
     def __init__(self) -> None:
         self.read_s: list[float] = []
 
-    async def rpc_forward(self, request: ForwardRequest, stream, peer) -> Ack:
+    async def forward(self, request: ForwardRequest, stream, sender: str) -> Ack:
         started = time.perf_counter()
         await stream.read_tensor(self.spec)
         self.read_s.append(time.perf_counter() - started)
@@ -342,7 +342,8 @@ async def _serve_hop(ready_file: str) -> None:
 
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.net.transport import serve
+    from shoal.node.rpcs import EngineRpcs
+    from shoal.p2p.rpc import serve
 
     torch.set_num_threads(1)  # as a node runs (`shoal node --threads 1`): more threads only wait for a core
     sink = Sink()
@@ -369,7 +370,7 @@ async def _serve_hop(ready_file: str) -> None:
         writer.close()
 
     dht = await SwarmDHT.create(load_identity(None))
-    await serve(dht.p2p, sink)
+    await serve(dht.transport, EngineRpcs, {EngineRpcs.forward: sink.forward})
     await dht.p2p.add_binary_stream_handler("bench.bare", bare)
     await dht.p2p.add_binary_stream_handler("bench.bare_kept", bare_kept)
     await dht.p2p.add_binary_stream_handler("bench.timings", timings)
@@ -383,7 +384,9 @@ async def _measure_hops(server: dict) -> dict:
 
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.net.transport import StreamPool, read_reply
+    from shoal.node.rpcs import EngineRpcs
+    from shoal.p2p.rpc import StreamPool
+    from shoal.p2p.streams import read_reply
     from shoal.protocol.pipeline import Hop
     from shoal.protocol.tensors import TensorAssembler
     from shoal.protocol.torch_tensors import frames_to_tensor, tensor_to_frames
@@ -403,14 +406,14 @@ async def _measure_hops(server: dict) -> dict:
     async def shoal_hop() -> dict:
         """What PipelineEngine._send_once does, timed in its phases: a kept stream from the pool."""
         t0 = time.perf_counter()
-        stream, _ = await pool.take(server["peer_id"], "rpc_forward", 30)
+        stream, _ = await pool.take(server["peer_id"], EngineRpcs.forward, 30)
         t1 = time.perf_counter()
         await stream.write_message(request)
         await stream.write_tensor(tensor, "float32")
         t2 = time.perf_counter()
         assert (await read_reply(stream, Ack)).accepted
         t3 = time.perf_counter()
-        pool.give_back(server["peer_id"], "rpc_forward", stream)
+        pool.give_back(server["peer_id"], EngineRpcs.forward, stream)
         return {"total": t3 - t0, "open": t1 - t0, "send": t2 - t1, "ack_wait": t3 - t2}
 
     async def timed_bare(reader, writer, t0: float) -> dict:

@@ -33,7 +33,7 @@ from docs_section import write_section
 from repair import Pipeline
 
 from shoal.config import RunConfig
-from shoal.model.data import BatchSampler, TokenSplits, load_token_splits
+from shoal.train.data import BatchSampler, TokenSplits, load_token_splits
 from shoal.train.repair import steps_to_recover
 
 ROOT = Path(__file__).resolve().parent.parent

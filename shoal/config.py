@@ -23,7 +23,6 @@ from shoal.protocol.schema import load_document
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: a scale per row, then int8 rows (protocol/tensors.py)
 OUTER_CODECS = ("float32", "int8", "topk")  # averaging.codec (shoal/train/outer_codec.py)
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # pipeline.compute_dtype (shoal/device.py)
 DEFAULT_MODEL = ModelConfig()
 # ModelConfig fields an imported checkpoint brought in; left out of the run id at their defaults
 IMPORTED_MODEL_FIELDS = ("n_kv_heads", "qkv_bias", "tie_embeddings", "checkpoint", "tokenizer", "subspace_rank")
@@ -208,7 +207,7 @@ class GRPORunConfig:
     prompts_per_round: int = 16  # B
     group_size: int = 4  # completions a node samples per prompt (its share of a horizontal group)
     lr: float = 1e-3
-    mode: str = "ftis"  # how foreign completions count: alone, naive, tis or ftis (shoal.train.grpo)
+    mode: str = "ftis"  # how foreign completions count: alone, naive, tis or ftis (shoal.grpo.loss)
     is_cap: float = 2.0  # C: truncation of foreign importance weights
     kl_threshold: float = 0.5  # δ (nats): F-TIS drops far-off negative foreign samples
     round_deadline_s: float = 5.0  # how long a node waits for peers' bundles after sending its own
@@ -364,6 +363,8 @@ def _validate_grpo(g: GRPORunConfig) -> None:
 
 
 def _validate(cfg: RunConfig) -> None:
+    from shoal.device import COMPUTE_DTYPES  # the device module owns them (torch is loaded to check a run)
+
     m, p, t, o, d = cfg.model, cfg.pipeline, cfg.train, cfg.optim, cfg.data
 
     def need(ok: bool, where: str, message: str) -> None:

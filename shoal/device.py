@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.config import COMPUTE_DTYPES
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # a run's `pipeline.compute_dtype` (autocast_dtype)
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
 class _NewerHealth:
     """Answers shoal's ping as a peer of the next protocol version would."""
 
-    async def rpc_ping(self, request: Ping, stream: object, peer: object) -> Pong:
+    async def ping(self, request: Ping, sender: str) -> Pong:
         return Pong(sent_at=request.sent_at, nonce=request.nonce, peer_state="active", stage=1,
                     protocol_version=PROTOCOL_VERSION + 1)  # fmt: skip
 
@@ -93,7 +93,9 @@ class _NewerHealth:
 def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():
     from hivemind.p2p import P2P
 
-    from shoal.node.net.transport import serve
+    from shoal.p2p.rpc import serve
+    from shoal.p2p.services import NodeRpcs
+    from shoal.p2p.transport import Libp2pTransport
 
     def no_such_name(host, port, family):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")  # no DNS query leaves the machine
@@ -101,7 +103,7 @@ def test_a_peer_of_another_protocol_version_and_a_name_that_does_not_resolve():
     async def main():
         newer = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
         try:
-            await serve(newer, _NewerHealth(), who="newer")
+            await serve(Libp2pTransport(newer), NodeRpcs, {NodeRpcs.ping: _NewerHealth().ping}, who="newer")
             maddr = str((await newer.get_visible_maddrs())[0])  # with its /p2p/ part
             (version,) = await diagnose_all([maddr], timeout_s=5.0)
             named = await diagnose(None, f"/dns4/swarm.example/tcp/31337/p2p/{newer.peer_id}", resolve=no_such_name)
@@ -137,7 +139,9 @@ def test_a_node_and_status_name_each_initial_peers_fault_and_exit_2(swarm):
     from hivemind.dht import DHT
     from hivemind.p2p import P2P
 
-    from shoal.node.net.transport import serve
+    from shoal.p2p.rpc import serve
+    from shoal.p2p.services import NodeRpcs
+    from shoal.p2p.transport import Libp2pTransport
 
     entry = swarm.start_bootstrap().maddrs[0]
     stock = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # only lends its peer id to the wrong address
@@ -149,7 +153,7 @@ def test_a_node_and_status_name_each_initial_peers_fault_and_exit_2(swarm):
     async def main() -> tuple[list[str], list[subprocess.CompletedProcess]]:
         newer = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
         try:
-            await serve(newer, _NewerHealth(), who="newer")
+            await serve(Libp2pTransport(newer), NodeRpcs, {NodeRpcs.ping: _NewerHealth().ping}, who="newer")
             other_id = str(stock.get_visible_maddrs()[0]).rsplit("/p2p/", 1)[1]
             peers = [entry.rsplit("/p2p/", 1)[0] + f"/p2p/{other_id}", str((await newer.get_visible_maddrs())[0])]
             done = await asyncio.gather(*(asyncio.to_thread(join, c, peers) for c in ("node", "status")))

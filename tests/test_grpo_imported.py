@@ -17,7 +17,7 @@ from shoal.grpo.policy import CheckpointPolicySpec, Policy, PolicySpec, check_po
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
 from shoal.grpo.warmup import warm_up
 from shoal.model.checkpoint import read_checkpoint
-from shoal.train.grpo import GRPOConfig
+from shoal.grpo.loss import GRPOConfig
 from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.test_model_hf_import import VOCAB, write_checkpoint
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from shoal.train.grpo import GRPOConfig, ftis_keep, group_advantages, grpo_loss, k3, truncated_is_weights
+from shoal.grpo.loss import GRPOConfig, ftis_keep, group_advantages, grpo_loss, k3, truncated_is_weights
 
 SQRT3 = math.sqrt(3.0)
 

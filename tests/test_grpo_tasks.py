@@ -22,7 +22,7 @@ from shoal.grpo.tokenizer import EOS, PAD_ID, CharTokenizer
 from shoal.grpo.warmup import cached_warm_up, save_warm_up, warm_up, warm_up_stages
 from shoal.protocol import ProtocolError, decode, encode
 from shoal.protocol.rollout import BadRollout, Completion, RolloutBundle, validate_bundle
-from shoal.train.grpo import GRPOConfig
+from shoal.grpo.loss import GRPOConfig
 
 TASK = get_task("add2r")
 TINY = PolicySpec(d_model=16, n_layers=1, n_heads=2, warmup_steps=3, warmup_batch=8)

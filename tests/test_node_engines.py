@@ -17,10 +17,11 @@ from shoal.node.context import NodeContext
 from shoal.node.daemon import node_hooks, run_cost_model
 from shoal.node.engine import Engine, Progress
 from shoal.node.hooks import Hooks
-from shoal.node.net.links import LinkMonitor
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
+from shoal.p2p.links import LinkMonitor
+from shoal.p2p.memory import MemoryNetwork
 from shoal.planning.peer_router import PeerRouter, Snapshot
 from shoal.planning.swarm_view import NodeInfo, SwarmView
 from shoal.protocol.pipeline import ForwardRequest, Hop, ResumeForward
@@ -49,7 +50,7 @@ def context(run, config: NodeConfig | None = None, hooks: Hooks | None = None) -
         peer_id=PEER,
         run=run,
         config=config or NodeConfig(),
-        p2p=None,
+        transport=MemoryNetwork().transport(PEER),
         router=PeerRouter("gwtf", run_cost_model(run), seed=PEER),
         links=LinkMonitor(None, PEER),
         started_at=0.0,

@@ -33,7 +33,6 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -45,15 +44,15 @@ from shoal.dht.keys import nodes_key, run_key
 from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
 from shoal.grpo.policy import PolicySpec
-from shoal.node.net.health import HealthService
-from shoal.node.net.pipeline_service import EngineService
-from shoal.node.net.reachability import ReachService
-from shoal.node.net.transport import FramedStream, call, open_call, rpc_methods, serve
 from shoal.node.rollout.worker import MAX_PENDING_PER_PEER
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import Service, serve
+from shoal.p2p.services import NodeRpcs
+from shoal.p2p.streams import FramedStream
 from shoal.protocol.codec import decode, encode
 from shoal.protocol.errors import MalformedMessage, ProtocolError
 from shoal.protocol.limits import CHUNK_BYTES, INT64_MAX, INT64_MIN, MAX_MESSAGE_BYTES
-from shoal.protocol.messages import ErrorReply, Ping, Pong
+from shoal.protocol.messages import ErrorReply, Ping
 from shoal.protocol.pipeline import (
     MAX_ROUTE_HOPS,
     Ack,
@@ -76,15 +75,16 @@ from tests.test_protocol_codec import any_message, message_strategy
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-# The services a node and a bootstrap peer register (Node._start, BootstrapPeer.create); a class
-# that grows an rpc_* method is fuzzed as it is.
-NODE_SERVICES = (HealthService, ReachService, EngineService)
-BOOTSTRAP_SERVICES = (ReachService,)
+# The services a node and a bootstrap peer serve (the daemon's start, BootstrapPeer.create); an RPC
+# declared in one of them is fuzzed as it is.
+NODE_SERVICES: tuple[type[Service], ...] = (NodeRpcs, EngineRpcs)
+BOOTSTRAP_SERVICES: tuple[type[Service], ...] = (NodeRpcs,)
+PROTOCOLS = {name: rpc.protocol for service in NODE_SERVICES for name, rpc in service.rpcs().items()}
 
 
-def served(services: tuple[type, ...]) -> dict[str, type]:
-    """RPC name -> request type, for every `rpc_*` method of these service classes."""
-    return {name: kind for cls in services for name, (_, kind) in rpc_methods(cls.__new__(cls)).items()}
+def served(services: tuple[type[Service], ...]) -> dict[str, type]:
+    """RPC name -> request type, for every RPC these services declare."""
+    return {name: rpc.request for service in services for name, rpc in service.rpcs().items()}
 
 
 RPCS = served(NODE_SERVICES) | served(BOOTSTRAP_SERVICES)
@@ -392,7 +392,7 @@ M_BACKWARD = BackwardRequest(microbatch_id=LIVE, origin=ORIGIN, step=0, hop=0, r
 def live_case(draw: st.DrawFn) -> Case:
     """A stranger's request about the live microbatch: the data node's own request with a few fields
     changed, the stranger naming itself as the hop before or after, the origin or the lost peer."""
-    rpc = draw(st.sampled_from(PIPELINE_RPCS + ["rpc_step_close"]))
+    rpc = draw(st.sampled_from(PIPELINE_RPCS + ["step_close"]))
     cls = RPCS[rpc]
     request = draw(request_strategy(cls, with_self=True, live_only=True))
     names = {f.name for f in dataclasses.fields(cls)}
@@ -444,7 +444,7 @@ def spoofs_of_the_live_microbatch() -> list[Case]:
         "peer_id": [SELF, TARGET],
     }
     cases = []
-    for rpc in PIPELINE_RPCS + ["rpc_step_close"]:
+    for rpc in PIPELINE_RPCS + ["step_close"]:
         cls = RPCS[rpc]
         names = [f.name for f in dataclasses.fields(cls) if f.name in values]
         for choice in itertools.product(*(values[name] for name in names)):
@@ -460,7 +460,7 @@ def origin_case(draw: st.DrawFn) -> Case:
     refused: non-finite, huge, of the wrong shape or dtype, cut off, or naming the wrong hop or step."""
     if draw(st.booleans()):
         tensor = draw(tensors())
-        return Case("rpc_forward", (M_FORWARD, *tensor.frames), tensor.complete)
+        return Case("forward", (M_FORWARD, *tensor.frames), tensor.complete)
     changes = draw(
         st.fixed_dictionaries(
             {},
@@ -475,7 +475,7 @@ def origin_case(draw: st.DrawFn) -> Case:
     # A gradient naming the right origin, hop and step is taken: only a hostile tensor may go with it
     # (the one valid gradient comes after the fuzzing).
     tensor = draw(tensors(hostile=not {"origin", "step", "hop"} & set(changes)))
-    return Case("rpc_backward", (dataclasses.replace(M_BACKWARD, **changes), *tensor.frames), tensor.complete)
+    return Case("backward", (dataclasses.replace(M_BACKWARD, **changes), *tensor.frames), tensor.complete)
 
 
 def draw_cases(strategy: st.SearchStrategy[Case], count: int, seed_value: int) -> list[Case]:
@@ -558,7 +558,7 @@ async def deliver(
         chunks = [vary(b"".join(chunks), variant, rng)]
         reply = answerable(chunks[0], RPCS[case.rpc])
     try:
-        stream = await open_call(client.p2p, peer_id, case.rpc, REPLY_TIMEOUT_S)
+        stream = await client.transport.open(peer_id, PROTOCOLS[case.rpc], REPLY_TIMEOUT_S)
     except Exception:
         tally.note(case.rpc, "no_stream")
         return
@@ -617,12 +617,12 @@ class Home:
         self.forwards = 0
         self.backwards = 0
 
-    async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
+    async def forward(self, request: ForwardRequest, stream: FramedStream, sender: str) -> Ack:
         await stream.read_tensor(TensorSpec("float32", (None, None, D_MODEL)))
         self.forwards += 1
         return Ack(accepted=True)
 
-    async def rpc_backward(self, request: BackwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
+    async def backward(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:
         await stream.read_tensor(TensorSpec("float32", (None, None, D_MODEL)))
         self.backwards += 1
         return Ack(accepted=True)
@@ -713,17 +713,15 @@ def state(samples: dict[str, float], names: tuple[str, ...]) -> dict[str, float]
     return {name: samples.get(name, 0.0) for name in names}
 
 
-def test_every_served_rpc_is_a_service_method_this_file_fuzzes() -> None:
-    """A class anywhere in shoal with an rpc_* method must be one of the services fuzzed here."""
+def test_every_served_rpc_is_declared_by_a_service_this_file_fuzzes() -> None:
+    """A class anywhere in shoal that declares RPCs (a `Service`) must be one of those fuzzed here."""
     found = set()
     for path in Path(shoal.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and any(
-                isinstance(item, ast.AsyncFunctionDef) and item.name.startswith("rpc_") for item in node.body
-            ):
+            if isinstance(node, ast.ClassDef) and any(getattr(base, "id", None) == "Service" for base in node.bases):
                 found.add(node.name)
     assert found == {service.__name__ for service in NODE_SERVICES + BOOTSTRAP_SERVICES}, found
-    assert {"rpc_ping", "rpc_forward", "rpc_backward", "rpc_rollouts"} <= set(RPCS)
+    assert {"ping", "forward", "backward", "rollouts"} <= set(RPCS)
 
 
 @dataclasses.dataclass
@@ -784,7 +782,9 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
         for name, daemon in daemons.items():
             clients[name] = await SwarmDHT.create(load_identity(None), daemon.peer.maddrs, client_mode=True)
         origin, home = await SwarmDHT.create(load_identity(None), worker.maddrs, client_mode=True), Home()
-        await serve(origin.p2p, home)
+        await serve(
+            origin.transport, EngineRpcs, {EngineRpcs.forward: home.forward, EngineRpcs.backward: home.backward}
+        )
         ids[ORIGIN] = origin.peer_id
         result: dict[str, Any] = {"before": {n: metrics(daemons[n].peer) for n in nodes}}
         try:
@@ -809,7 +809,7 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
             x = torch.randn(MICROBATCH)
             live_names = {**names["worker"], LIVE: "fuzz-live-" + os.urandom(16).hex()}
             first = resolve(M_FORWARD, live_names)
-            assert (await send_with_tensor(origin, worker.peer_id, "rpc_forward", first, x)).accepted
+            assert (await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, first, x)).accepted
             await until(lambda: home.forwards == 1, 30, "the live microbatch's activation to come home")
             tally = daemons["worker"].tally
             await asyncio.gather(
@@ -835,16 +835,16 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
             # 4. Everything still works: pings, and the live microbatch's real gradient and step.
             for name in nodes:
                 ping = Ping(sent_at=1.0, nonce=7)
-                assert (await call(clients[name].p2p, daemons[name].peer_id, "rpc_ping", ping, Pong)).nonce == 7
+                assert (await NodeRpcs(clients[name].transport).ping(daemons[name].peer_id, ping)).nonce == 7
             grad = resolve(M_BACKWARD, live_names)
-            ack = await send_with_tensor(origin, worker.peer_id, "rpc_backward", grad, torch.randn(MICROBATCH))
+            ack = await send_with_tensor(origin, worker.peer_id, EngineRpcs.backward, grad, torch.randn(MICROBATCH))
             assert ack.accepted, ack
             await until(lambda: home.backwards == 1, 30, "the gradient to reach the data node")
             close = StepClose(step=0, completed=1, abandoned=0)
-            assert (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted
+            assert (await EngineRpcs(origin.transport).step_close(worker.peer_id, close)).accepted
             await until(lambda: metrics(worker)["shoal_inner_step"] == 1, 30, "the worker's inner step")
             after = dataclasses.replace(first, microbatch_id=first.microbatch_id + "-after", needs_backward=False)
-            assert (await send_with_tensor(origin, worker.peer_id, "rpc_forward", after, x)).accepted
+            assert (await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, after, x)).accepted
             await until(lambda: home.forwards == 2, 30, "a forward after the fuzzing")
             result["final"] = {n: metrics(daemons[n].peer) for n in nodes}
 
@@ -861,11 +861,11 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
                 )
                 for i in range(FLOOD)
             ]
-            cases = [Case("rpc_forward", (request, *valid_tensor().frames), True) for request in flood]
+            cases = [Case("forward", (request, *valid_tensor().frames), True) for request in flood]
             flooded = Tally()
             await fuzz(clients["worker"], worker.peer_id, cases, names["worker"], flooded)
             result["flood"] = flooded
-            assert await call(clients["worker"].p2p, worker.peer_id, "rpc_ping", Ping(sent_at=1.0, nonce=8), Pong)
+            assert await NodeRpcs(clients["worker"].transport).ping(worker.peer_id, Ping(sent_at=1.0, nonce=8))
         finally:
             for client in (*clients.values(), origin):
                 await client.shutdown()
@@ -903,9 +903,9 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
     assert state(middle["worker"], WORKER_STATE) == state(before["worker"], WORKER_STATE), where
     assert state(final["data"], DATA_STATE) == dict.fromkeys(DATA_STATE, 0.0), where
     received = final["rollout"].get('shoal_rollout_bundles_total{kind="received"}', 0)
-    assert received == daemons["rollout"].tally.accepted["rpc_rollouts"] <= MAX_PENDING_PER_PEER, where
+    assert received == daemons["rollout"].tally.accepted["rollouts"] <= MAX_PENDING_PER_PEER, where
     assert set(result["records"]) == {"refused"}, (Counter(result["records"]), where)
-    taken = flood.accepted["rpc_forward"]
+    taken = flood.accepted["forward"]
     assert 0 < taken <= MAX_INFLIGHT, f"{taken} of {FLOOD} flooding evaluation forwards taken {where}"
     pipeline_view, grpo_view = result["views"]
     assert pipeline_view == sorted([(worker.peer_id, "worker", 1), (data.peer_id, "data", 0)]), where

@@ -16,7 +16,8 @@ import torch
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import RemoteError, open_call, read_reply
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.streams import RemoteError, read_reply
 from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
 from shoal.protocol.torch_tensors import quantize_rows
@@ -71,7 +72,7 @@ def test_an_int8_worker_refuses_hostile_compressed_frames_and_changes_nothing(sw
 
         async def send(microbatch: str, scales: torch.Tensor, values: torch.Tensor, scale_dtype: str) -> str:
             request = ForwardRequest(microbatch_id=microbatch, origin=client.peer_id, step=0, hop=0, route=route)
-            stream = await open_call(client.p2p, worker.peer_id, "rpc_forward", 10)
+            stream = await client.transport.open(worker.peer_id, EngineRpcs.forward.protocol, 10)
             try:
                 await stream.write_frames([encode(request), *unchecked_frames(scales, scale_dtype)])
                 await stream.write_frames(unchecked_frames(values, "int8"), False)

@@ -14,9 +14,11 @@ import torch
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.model.data import load_token_splits
-from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
+from shoal.train.data import load_token_splits
 from shoal.node.pipeline.hops import step_close_patience_s
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import Rpc, StreamPool
+from shoal.p2p.streams import FramedStream, RemoteError, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
 from shoal.train.reference import ReferenceTrainer
@@ -111,7 +113,7 @@ def test_swarm_loss_matches_the_local_trainer_step_for_step(swarm, run_file, tmp
         assert swarm.stop(worker) == 0
     engine = json.loads(data_stats.read_text())["engine"]
     assert engine["kept_streams_dead"] == 0
-    assert engine["streams_opened_by_rpc"]["rpc_step_close"] == len(workers)
+    assert engine["streams_opened_by_rpc"][EngineRpcs.step_close.name] == len(workers)
     assert [json.loads(path.read_text())["engine"]["inner_steps"] for path in stats] == [run.train.steps] * len(workers)
     for trace in traces:  # every compute job traced: start, end, job, CPU seconds
         jobs = Counter(line.split()[2] for line in trace.read_text().splitlines())
@@ -190,7 +192,9 @@ def test_stage_worker_refuses_bad_tensors_and_keeps_serving(swarm, run_file):
             route = (Hop(stage=worker.stage, peer_id=worker.peer_id),)
             fields = dict(microbatch_id=microbatch, origin=client.peer_id, step=0, route=route)
             request = BackwardRequest(hop=0, **fields) if backward else ForwardRequest(hop=0, **fields)
-            stream = await open_call(client.p2p, worker.peer_id, "rpc_backward" if backward else "rpc_forward", 10)
+            stream = await client.transport.open(
+                worker.peer_id, (EngineRpcs.backward if backward else EngineRpcs.forward).protocol, 10
+            )
             try:
                 await stream.write_message(request)
                 await stream.write_message(header)
@@ -229,13 +233,13 @@ def test_hops_share_one_kept_stream_and_the_worker_closes_it_after_anything_but_
 
     async def scenario() -> None:
         client = await SwarmDHT.create(load_identity(None), initial_peers=worker.maddrs, client_mode=True)
-        pool = StreamPool(client.p2p)
+        pool = StreamPool(client.transport)
         route = (Hop(stage=worker.stage, peer_id=worker.peer_id),)
 
-        async def hop(rpc: str, microbatch: str, tensor: torch.Tensor) -> tuple[FramedStream, bool, object]:
+        async def hop(rpc: Rpc, microbatch: str, tensor: torch.Tensor) -> tuple[FramedStream, bool, object]:
             stream, kept = await pool.take(worker.peer_id, rpc, 10)
             fields = dict(microbatch_id=microbatch, origin=client.peer_id, step=0, hop=0, route=route)
-            request = BackwardRequest(**fields) if rpc == "rpc_backward" else ForwardRequest(**fields)
+            request = BackwardRequest(**fields) if rpc == EngineRpcs.backward else ForwardRequest(**fields)
             await stream.write_message(request)
             await stream.write_tensor(tensor, "float32")
             try:
@@ -249,17 +253,17 @@ def test_hops_share_one_kept_stream_and_the_worker_closes_it_after_anything_but_
         try:
             kept_flags = []
             for i in range(3):
-                stream, kept, ack = await hop("rpc_forward", f"mb{i}", torch.randn(b, t, d))
+                stream, kept, ack = await hop(EngineRpcs.forward, f"mb{i}", torch.randn(b, t, d))
                 assert isinstance(ack, Ack) and ack.accepted, ack
                 kept_flags.append(kept)
-                pool.give_back(worker.peer_id, "rpc_forward", stream)
+                pool.give_back(worker.peer_id, EngineRpcs.forward, stream)
             assert kept_flags == [False, True, True] and (pool.opened, pool.reused) == (1, 2)
 
-            stream, kept, reply = await hop("rpc_forward", "bad", torch.zeros(b, t, d + 1))  # the wrong shape
+            stream, kept, reply = await hop(EngineRpcs.forward, "bad", torch.zeros(b, t, d + 1))  # the wrong shape
             assert kept and isinstance(reply, RemoteError) and reply.code == "bad_tensor", reply
             assert await closed_by_worker(stream)
 
-            stream, kept, ack = await hop("rpc_backward", "never-seen", torch.randn(b, t, d))
+            stream, kept, ack = await hop(EngineRpcs.backward, "never-seen", torch.randn(b, t, d))
             assert not kept and isinstance(ack, Ack) and not ack.accepted, ack
             assert await closed_by_worker(stream)
         finally:

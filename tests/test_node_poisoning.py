@@ -169,7 +169,8 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
     claims are malformed: each must be refused with its reason, and the node must keep serving."""
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.net.transport import RemoteError, call
+    from shoal.node.rpcs import EngineRpcs
+    from shoal.p2p.streams import RemoteError
     from shoal.protocol import encode
     from shoal.protocol.pipeline import Ack
     from shoal.protocol.rollout import Completion, RolloutBundle
@@ -192,10 +193,12 @@ def _send_bad_claims(run: RunConfig, entry: str, nodes: list, progress: list[Pat
             replies: list = []
             for claims in ((1.0,), (1.0, 7.0)):  # one claim for two completions; a claim over the full reward
                 bad = dataclasses.replace(good, claimed_rewards=claims)
-                replies.append(await call(client.p2p, peer_id, "rpc_rollouts", bad, Ack, timeout_s=10))
+                replies.append(await EngineRpcs(client.transport).rollouts(peer_id, bad, 10))
             document = msgpack.unpackb(encode(good))
             document["b"]["claimed_rewards"][1] = float("nan")  # our encoder refuses it: the frame by hand
-            replies.append(await send_raw_frame(client.p2p, peer_id, "rpc_rollouts", msgpack.packb(document), Ack))
+            replies.append(
+                await send_raw_frame(client.transport, peer_id, EngineRpcs.rollouts, msgpack.packb(document), Ack)
+            )
             return replies
         finally:
             await client.shutdown()

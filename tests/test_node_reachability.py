@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from shoal.node.net.reachability import REACHABLE, UNREACHABLE, Reachability, advice, answer, tcp_address, verdict
+from shoal.p2p.reachability import REACHABLE, UNREACHABLE, Reachability, advice, answer, tcp_address, verdict
 from shoal.protocol.messages import ReachReply, ReachRequest
 from tests.helpers.tiny import write_tiny_run
 

@@ -189,7 +189,8 @@ def test_a_killed_rollout_worker_does_not_stall_the_others(swarm, tmp_path, poli
 def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_cache):
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
-    from shoal.node.net.transport import RemoteError, call
+    from shoal.node.rpcs import EngineRpcs
+    from shoal.p2p.streams import RemoteError
     from tests.helpers.raw_frames import send_raw_frame
 
     spec = policy_cache[1]
@@ -222,13 +223,13 @@ def test_bad_bundles_are_refused_and_the_round_goes_on(swarm, tmp_path, policy_c
             ]
             replies = []
             for message in bad:
-                replies.append(await call(client.p2p, info["peer_id"], "rpc_rollouts", message, Ack, timeout_s=10))
+                replies.append(await EngineRpcs(client.transport).rollouts(info["peer_id"], message, 10))
             # over the wire schema's bound (our encoder refuses to write it, so the frame is built by hand):
             # refused by the receiver's decoder, before its engine sees anything
             document = msgpack.unpackb(encode(bundle(future)))
             document["b"]["completions"] *= 257
             frame = msgpack.packb(document)
-            replies.append(await send_raw_frame(client.p2p, info["peer_id"], "rpc_rollouts", frame, Ack))
+            replies.append(await send_raw_frame(client.transport, info["peer_id"], EngineRpcs.rollouts, frame, Ack))
             return replies
         finally:
             await client.shutdown()

@@ -10,7 +10,8 @@ import pytest
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import FramedStream, RemoteError, call, open_call
+from shoal.p2p.services import NodeRpcs
+from shoal.p2p.streams import FramedStream, RemoteError
 from shoal.protocol.codec import encode
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.messages import ErrorReply, Ping, Pong
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 async def _raw_exchange(client: SwarmDHT, peer_id: str, payload: bytes) -> str | None:
     """Write raw bytes to the ping handler; the error code it answers, or None if it answers nothing
     (it is still waiting for the rest of a frame, or closed the stream)."""
-    stream = await open_call(client.p2p, peer_id, "rpc_ping", timeout_s=3)
+    stream = await client.transport.open(peer_id, NodeRpcs.ping.protocol, 3)
     try:
         stream.writer.write(payload)
         await stream.writer.drain()
@@ -66,10 +67,10 @@ def test_garbage_truncated_oversized_and_wrong_version_are_refused(swarm, tmp_pa
             assert codes["not a frame"] is None and codes["nothing"] is None
 
             # Still serving, and a well-formed ping still gets its pong.
-            pong = await call(client.p2p, node.peer_id, "rpc_ping", Ping(sent_at=2.5, nonce=42), Pong)
+            pong = await NodeRpcs(client.transport).ping(node.peer_id, Ping(sent_at=2.5, nonce=42))
             assert (pong.nonce, pong.sent_at, pong.stage) == (42, 2.5, node.stage)
             with pytest.raises(RemoteError, match="unexpected_message"):
-                await call(client.p2p, node.peer_id, "rpc_ping", ErrorReply(code="x", message="y"), Pong)
+                await NodeRpcs(client.transport).ping(node.peer_id, ErrorReply(code="x", message="y"))  # type: ignore[arg-type]
         finally:
             await client.shutdown()
 
@@ -98,7 +99,7 @@ def test_a_whole_hop_goes_into_the_socket_at_once_while_the_daemon_has_not_read_
     import socket
     from pathlib import Path
 
-    from shoal.node.net.transport import SEND_BUFFER_BYTES
+    from shoal.p2p.streams import SEND_BUFFER_BYTES
 
     wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
     if wmem_max < 2**20:
@@ -125,7 +126,7 @@ def test_a_message_and_a_tensor_go_in_one_write_per_chunk_and_read_back_whole():
 
     import torch
 
-    from shoal.node.net.transport import EndOfStream
+    from shoal.p2p.streams import EndOfStream
     from shoal.protocol.limits import CHUNK_BYTES
     from shoal.protocol.tensors import TensorSpec
 

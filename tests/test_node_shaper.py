@@ -1,4 +1,4 @@
-"""The user-space link shaper (node/net/shaper.py): a message waits its bytes at the link's bandwidth
+"""The user-space link shaper (p2p/shaper.py): a message waits its bytes at the link's bandwidth
 behind what is queued to the same peer, plus one latency; other peers have their own link.
 
 The checks are lower bounds (a shaped send is never faster than its link) with a loose upper bound:
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shoal.node.net.shaper import LinkShape, Shaper
+from shoal.p2p.shaper import LinkShape, Shaper
 
 
 def test_link_shapes_parse_and_bad_ones_are_refused():

@@ -11,8 +11,11 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from shoal.node.net.transport import FramedStream, serve
+from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import fetch_stage
+from shoal.p2p.rpc import serve
+from shoal.p2p.streams import FramedStream
+from shoal.p2p.transport import Libp2pTransport
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 
@@ -30,7 +33,7 @@ class _Donor:
     def __init__(self, exp_avg_sq: list[torch.Tensor], always: bool = False):
         self.exp_avg_sq, self.always = exp_avg_sq, always
 
-    async def rpc_copy_stage(self, request: StageCopyRequest, stream: FramedStream, peer: object) -> None:
+    async def copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
         moments = request.moments or self.always
         await stream.write_message(Ack(accepted=True))
         steps = (12.0,) * len(THETA) if moments else ()
@@ -43,12 +46,14 @@ class _Donor:
 async def _fetch(donor: _Donor, moments: bool):
     host = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
     try:
-        await serve(host, donor, who="donor")
+        await serve(Libp2pTransport(host), EngineRpcs, {EngineRpcs.copy_stage: donor.copy_stage}, who="donor")
         maddrs = [str(m) for m in await host.get_visible_maddrs()]
         joiner = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
         try:
             reference = [torch.empty_like(t) for t in THETA]
-            return await fetch_stage(joiner, host.peer_id.to_base58(), 0, reference, 10.0, moments=moments)
+            return await fetch_stage(
+                Libp2pTransport(joiner), host.peer_id.to_base58(), 0, reference, 10.0, moments=moments
+            )
         finally:
             await joiner.shutdown()
     finally:

@@ -17,7 +17,8 @@ import torch
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import RemoteError
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.streams import RemoteError
 from shoal.protocol.pipeline import ForwardRequest, Hop
 from shoal.protocol.torch_tensors import pack_tokens
 from tests.helpers.processes import metrics
@@ -47,7 +48,7 @@ def _forwards(swarm, run_file, cases: dict[str, tuple[torch.Tensor, bytes]]) -> 
             request = ForwardRequest(microbatch_id=microbatch, origin=client.peer_id, step=0, hop=0, route=route,
                                      needs_backward=False, tokens=tokens)  # fmt: skip
             try:
-                ack = await send_with_tensor(client, worker.peer_id, "rpc_forward", request, x)
+                ack = await send_with_tensor(client, worker.peer_id, EngineRpcs.forward, request, x)
             except RemoteError as error:
                 return error.code
             return "accepted" if ack.accepted else f"declined: {ack.reason}"

@@ -10,11 +10,12 @@ import json
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import FramedStream, RemoteError, call, serve
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import serve
+from shoal.p2p.streams import FramedStream, RemoteError
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.version import PROTOCOL_VERSION
 from tests.helpers.raw_frames import send_raw_frame, send_with_tensor
@@ -31,7 +32,7 @@ class Home:
     def __init__(self) -> None:
         self.arrived = 0
 
-    async def rpc_forward(self, request: ForwardRequest, stream: FramedStream, peer: PeerID) -> Ack:
+    async def forward(self, request: ForwardRequest, stream: FramedStream, sender: str) -> Ack:
         from shoal.protocol.tensors import TensorSpec
 
         await stream.read_tensor(TensorSpec("float32", (None, None, MODEL.d_model)))
@@ -73,9 +74,9 @@ def test_a_repeated_evaluation_forward_runs_once(swarm, tmp_path):
         dht = await client(worker)
         try:
             request, x = forward(dht, worker, "evaluation-repeat", needs_backward=False), torch.randn(2, 8, 32)
-            first = await send_with_tensor(dht, worker.peer_id, "rpc_forward", request, x)
+            first = await send_with_tensor(dht, worker.peer_id, EngineRpcs.forward, request, x)
             await asyncio.sleep(2.0)  # the first forward is done and its output sent on (or given up)
-            return first, await send_with_tensor(dht, worker.peer_id, "rpc_forward", request, x)
+            return first, await send_with_tensor(dht, worker.peer_id, EngineRpcs.forward, request, x)
         finally:
             await dht.shutdown()
 
@@ -95,17 +96,17 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
 
     async def scenario():
         origin, stranger, home = await client(worker), await client(worker), Home()
-        await serve(origin.p2p, home)
+        await serve(origin.transport, EngineRpcs, {EngineRpcs.forward: home.forward})
         try:
             x = torch.randn(2, 8, MODEL.d_model)
             mb = "data-0.0-5f1c2a9e"
             assert (
-                await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
+                await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, forward(origin, worker, mb), x)
             ).accepted
-            again = await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, mb), x)
+            again = await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, forward(origin, worker, mb), x)
             assert again.accepted  # taken as a retried stream: the saved graph is not overwritten
             spoofed = await send_with_tensor(
-                stranger, worker.peer_id, "rpc_forward", forward(stranger, worker, "x", origin=origin.peer_id), x
+                stranger, worker.peer_id, EngineRpcs.forward, forward(stranger, worker, "x", origin=origin.peer_id), x
             )
             assert not spoofed.accepted and "hop before" in spoofed.reason
             for _ in range(100):
@@ -117,40 +118,40 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
             huge = torch.full((2, 8, MODEL.d_model), 3e38)
             with pytest.raises(RemoteError, match="beyond"):
                 await send_with_tensor(
-                    origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), huge
+                    origin, worker.peer_id, EngineRpcs.backward, backward(worker, mb, origin.peer_id), huge
                 )
             grad = torch.randn(2, 8, MODEL.d_model)
             foreign_origin = await send_with_tensor(
-                stranger, worker.peer_id, "rpc_backward", backward(worker, mb, stranger.peer_id), grad
+                stranger, worker.peer_id, EngineRpcs.backward, backward(worker, mb, stranger.peer_id), grad
             )
             assert not foreign_origin.accepted and "another data node" in foreign_origin.reason
             foreign_sender = await send_with_tensor(
-                stranger, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), grad
+                stranger, worker.peer_id, EngineRpcs.backward, backward(worker, mb, origin.peer_id), grad
             )
             assert not foreign_sender.accepted and "hop after ours" in foreign_sender.reason
             notice = AbandonNotice(microbatch_id=mb, reason="forged\nWARNING all lost")
-            assert not (await call(stranger.p2p, worker.peer_id, "rpc_abandon", notice, Ack)).accepted
+            assert not (await EngineRpcs(stranger.transport).abandon(worker.peer_id, notice)).accepted
 
             large = torch.full((2, 8, MODEL.d_model), 6e4)  # within the wire bound: clipped, not refused
             assert (
                 await send_with_tensor(
-                    origin, worker.peer_id, "rpc_backward", backward(worker, mb, origin.peer_id), large
+                    origin, worker.peer_id, EngineRpcs.backward, backward(worker, mb, origin.peer_id), large
                 )
             ).accepted
             close = StepClose(step=0, completed=1, abandoned=0)  # taken once our gradient has run
             for _ in range(100):
-                if (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted:
+                if (await EngineRpcs(origin.transport).step_close(worker.peer_id, close)).accepted:
                     break
                 await asyncio.sleep(0.2)
             else:
                 raise AssertionError("the step close was never taken")
             # sent again (as a data node does when the kept stream it used turns out dead): answered, and
             # no second inner step (inner_steps stays 1 below)
-            assert (await call(origin.p2p, worker.peer_id, "rpc_step_close", close, Ack)).accepted
+            assert (await EngineRpcs(origin.transport).step_close(worker.peer_id, close)).accepted
             await asyncio.sleep(1.0)
             y = torch.randn(2, 8, MODEL.d_model)  # the worker still serves, with finite weights
             assert (
-                await send_with_tensor(origin, worker.peer_id, "rpc_forward", forward(origin, worker, "after"), y)
+                await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, forward(origin, worker, "after"), y)
             ).accepted
             for _ in range(100):
                 if home.arrived == 2:
@@ -180,13 +181,13 @@ def test_evaluation_floods_are_bounded_and_hostile_ids_never_reach_the_log(swarm
         try:
             x = torch.randn(2, 8, MODEL.d_model)
             requests = [forward(dht, worker, f"flood-{i}", needs_backward=False) for i in range(200)]
-            sent = (send_with_tensor(dht, worker.peer_id, "rpc_forward", r, x) for r in requests)
+            sent = (send_with_tensor(dht, worker.peer_id, EngineRpcs.forward, r, x) for r in requests)
             acks = await asyncio.gather(*sent, return_exceptions=True)  # some streams fail at libp2p's own limits
             body = {"microbatch_id": "id\n2026-12-01 WARNING forged\x1b[31m", "origin": dht.peer_id, "step": 0,
                     "hop": 0, "route": [{"stage": 1, "peer_id": worker.peer_id}], "needs_backward": False}  # fmt: skip
             hostile = msgpack.packb({"v": PROTOCOL_VERSION, "t": "fwd", "b": body}, use_bin_type=True)
             # our own encoder would refuse to send it
-            refusal = await send_raw_frame(dht.p2p, worker.peer_id, "rpc_forward", hostile, Ack)
+            refusal = await send_raw_frame(dht.transport, worker.peer_id, EngineRpcs.forward, hostile, Ack)
             assert isinstance(refusal, RemoteError) and "malformed" in str(refusal), refusal
             return acks
         finally:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shoal.model.stages import over_the_wire
-from shoal.node.net.transport import FramedStream
+from shoal.p2p.streams import FramedStream
 from shoal.protocol import BadTensor, ProtocolError
 from shoal.protocol.tensors import TensorSpec, wire_nbytes
 from shoal.protocol.torch_tensors import dequantize_rows, quantize_rows, round_trip_rows

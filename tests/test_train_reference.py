@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shoal.model.data import load_token_splits
+from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from shoal.train.schedule import learning_rate
 from tests.helpers.tiny import sample_text, tiny_run, write_tiny_run

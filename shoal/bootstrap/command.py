@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
             args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers, run_config, args.record_ttl
         )
         if args.metrics_port is not None:
-            from shoal.node.metrics import BootstrapCollector, MetricsServer, registry_for
+            from shoal.bootstrap.metrics import BootstrapCollector
+            from shoal.node.metrics import MetricsServer, registry_for
 
             try:
                 registry = registry_for(BootstrapCollector(peer))

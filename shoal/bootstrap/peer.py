@@ -16,9 +16,9 @@ from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import collision_report
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.health import HealthService
-from shoal.node.net.reachability import ReachService
-from shoal.node.net.transport import serve
+from shoal.p2p.health import node_handlers
+from shoal.p2p.rpc import serve
+from shoal.p2p.services import NodeRpcs
 
 if TYPE_CHECKING:
     from shoal.node.metrics import MetricsServer
@@ -44,8 +44,8 @@ class BootstrapPeer:
         record_ttl_s: float = 60.0,
     ) -> BootstrapPeer:
         dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
-        await serve(dht.p2p, ReachService(), who=dht.peer_id[-8:])  # joiners ask it to dial them back
-        await serve(dht.p2p, HealthService(lambda: ("bootstrap", None)), who=dht.peer_id[-8:])  # for diagnoses
+        # joiners ask it to dial them back; diagnoses ping it
+        await serve(dht.transport, NodeRpcs, node_handlers(lambda: ("bootstrap", None)), who=dht.peer_id[-8:])
         peer = cls(dht, run, record_ttl_s)
         if run is not None:
             await peer._publish_run()

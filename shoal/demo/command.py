@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from shoal.demo.launcher import POLL_S, RENDER_EVERY_S, LocalSwarm, ProgressTail
     from shoal.demo.report import build_report
     from shoal.model.corpus import default_corpus_path
-    from shoal.model.data import load_token_splits, with_local_data
+    from shoal.train.data import load_token_splits, with_local_data
 
     if args.averaging is not None:
         run_config = run_config.replace(averaging_overrides(args.averaging))

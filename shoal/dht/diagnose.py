@@ -82,8 +82,9 @@ async def _libp2p(p2p: Any, maddr: str, peer_id: str, timeout_s: float) -> Verdi
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from shoal.node.net.transport import call
-    from shoal.protocol.messages import Ping, Pong
+    from shoal.p2p.services import NodeRpcs
+    from shoal.p2p.transport import Libp2pTransport
+    from shoal.protocol.messages import Ping
 
     target = PeerID.from_base58(peer_id)
     try:
@@ -97,7 +98,8 @@ async def _libp2p(p2p: Any, maddr: str, peer_id: str, timeout_s: float) -> Verdi
                                                 "the address names: take the address it prints now")  # fmt: skip
         return Verdict(maddr, "handshake", f"connected over TCP, but the libp2p handshake failed ({_first(text)})")
     try:
-        pong = await call(p2p, target, "rpc_ping", Ping(sent_at=time.time(), nonce=0), Pong, timeout_s=timeout_s)
+        ping = Ping(sent_at=time.time(), nonce=0)
+        pong = await NodeRpcs(Libp2pTransport(p2p)).ping(peer_id, ping, timeout_s=timeout_s)
     except Exception as e:
         if "protocols not supported" in str(e):
             return Verdict(maddr, "not shoal", "connected, but it does not speak shoal (no shoal ping: a plain "

@@ -2,5 +2,5 @@
 
 tasks (prompts and rewards) · tokenizer · policy (spec and decoder) · warmup (cached supervised start)
 · sampling · rollout (bundles <-> batches) · round (one node's round) · evaluate (held-out accuracy).
-The losses live in `shoal.train.grpo`, the wire type and its validator in `shoal.protocol.rollout`.
+The losses live in `shoal.grpo.loss`, the wire type and its validator in `shoal.protocol.rollout`.
 """

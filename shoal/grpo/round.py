@@ -26,7 +26,7 @@ from shoal.grpo.sampling import sample
 from shoal.grpo.tasks import CORRECT_REWARD, Prompt, get_task
 from shoal.grpo.tokenizer import PolicyTokenizer
 from shoal.protocol.rollout import BadRollout, RolloutBundle, RolloutLimits, validate_bundle
-from shoal.train.grpo import GRPOConfig, LossStats, grpo_loss
+from shoal.grpo.loss import GRPOConfig, LossStats, grpo_loss
 
 
 @dataclass(frozen=True)

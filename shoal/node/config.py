@@ -21,7 +21,7 @@ ROUTINGS = ("auto", "gwtf", "swarm", "capacity", "random", "fixed")
 STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
-LINK_SHAPE = re.compile(r"\d+(\.\d+)?(:\d+(\.\d+)?)?")  # --experiment-link; its bounds: node/net/shaper.py
+LINK_SHAPE = re.compile(r"\d+(\.\d+)?(:\d+(\.\d+)?)?")  # --experiment-link; its bounds: p2p/shaper.py
 
 
 def _need(ok: bool, flag: str, message: str) -> None:
@@ -298,7 +298,7 @@ class ExperimentOptions:
     link: str | None = option(
         None,
         "experiments: shape every send of this node as a link of MBIT megabits per second and MS milliseconds "
-        "one way would (user space: node/net/shaper.py)",
+        "one way would (user space: p2p/shaper.py)",
         flag="--experiment-link",
         metavar="MBIT:MS",
     )

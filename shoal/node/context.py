@@ -8,6 +8,7 @@ Tests build one from real parts (a view, a recording publisher) without starting
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from shoal.config import RunConfig
 from shoal.model.checkpoint import Checkpoint
 from shoal.node.config import NodeConfig
 from shoal.node.hooks import Hooks
-from shoal.node.net.links import LinkMonitor
-from shoal.node.net.suspects import Suspects
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.links import LinkMonitor
+from shoal.p2p.suspects import Suspects
+from shoal.p2p.transport import Transport
 from shoal.planning.peer_router import PeerRouter
 from shoal.planning.swarm_view import SwarmView
 
@@ -33,7 +36,7 @@ class NodeContext:
     peer_id: str
     run: RunConfig
     config: NodeConfig
-    p2p: Any  # hivemind.p2p.P2P: the node's libp2p daemon
+    transport: Transport  # how it reaches peers: libp2p in a daemon, memory in an in-process test
     router: PeerRouter
     links: LinkMonitor
     started_at: float  # DHT time: seniority among replicas
@@ -46,6 +49,11 @@ class NodeContext:
     compute_dtype: torch.dtype | None = None  # autocast's dtype there (None: float32)
     checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
     suspects: Suspects = field(default_factory=Suspects)  # peers that just failed us (net/suspects.py)
+
+    @functools.cached_property
+    def rpc(self) -> EngineRpcs:
+        """The engine RPCs of other nodes, as calls: `await ctx.rpc.abandon(peer, notice)`."""
+        return EngineRpcs(self.transport)
 
     @property
     def short_id(self) -> str:

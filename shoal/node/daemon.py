@@ -41,14 +41,14 @@ from shoal.node.context import NodeContext
 from shoal.node.engine import Engine, Handler, Progress
 from shoal.node.hooks import Faults, Hooks
 from shoal.node.metrics import MetricsServer, serve_node_metrics
-from shoal.node.net import reachability
-from shoal.node.net.health import HealthService
-from shoal.node.net.links import LinkMonitor
-from shoal.node.net.pipeline_service import EngineService
-from shoal.node.net.reachability import ReachService
-from shoal.node.net.restarts import RestartWatch
-from shoal.node.net.suspects import Suspects, watch_peers
-from shoal.node.net.transport import WIRE_BYTES, call, serve, unserve
+from shoal.p2p import reachability
+from shoal.p2p.health import HealthService
+from shoal.p2p.links import LinkMonitor
+from shoal.node.service import EngineService
+from shoal.p2p.reachability import ReachService
+from shoal.p2p.restarts import RestartWatch
+from shoal.p2p.suspects import Suspects, watch_peers
+from shoal.p2p.transport import WIRE_BYTES, call, serve, unserve
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
@@ -106,7 +106,7 @@ async def resolve_run(dht: SwarmDHT, config: NodeConfig) -> RunConfig:
             run = load_run_config("tiny")
             logger.info("[%s] the swarm publishes no default run; using the bundled %r", dht.peer_id[-8:], run.name)
     if config.run.data_path:
-        from shoal.model.data import with_local_data
+        from shoal.train.data import with_local_data
 
         if published_run and not run.data.digest:
             raise UsageError(
@@ -803,7 +803,7 @@ class Node:
             "device_peak_bytes": peak_memory_bytes(self.device),  # torch's on an accelerator, the RSS peak on a CPU
             "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
             "traffic": engine.traffic_counts() if engine else {},
-            "wire_bytes": WIRE_BYTES.counts(),  # sent, by kind (node/net/transport.py)
+            "wire_bytes": WIRE_BYTES.counts(),  # sent, by kind (p2p/transport.py)
             "engine": engine.stats() if engine else {},
         }
 

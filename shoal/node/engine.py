@@ -19,12 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from shoal.config import RunConfig
+from shoal.p2p.rpc import Rpc
 from shoal.planning.observed import Trip
 from shoal.planning.swarm_view import SwarmView
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState
 
-Handler = Callable[..., Awaitable[Any]]
+Handler = Callable[..., Awaitable[Any]]  # an RPC's handler: (request, [stream,] sender) -> reply
 
 
 class AbandonReason(enum.StrEnum):
@@ -139,8 +140,8 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def handlers(self) -> Mapping[str, Handler]:
-        """The pipeline RPCs it answers, by name (`forward`, `backward`, ...): the rest are refused."""
+    def handlers(self) -> Mapping[Rpc, Handler]:
+        """The RPCs it answers (`EngineRpcs.forward`, ... in rpcs.py): the rest are refused."""
         ...
 
     def progress(self) -> Progress: ...

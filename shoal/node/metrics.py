@@ -16,22 +16,20 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.http import answer_one_request
 from shoal.node.config import NodeConfig
 from shoal.node.engine import AbandonReason, Engine, Progress
-from shoal.node.net.transport import WIRE_BYTES
+from shoal.p2p.streams import WIRE_BYTES
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.version import PROTOCOL_VERSION
-
-if TYPE_CHECKING:
-    from shoal.bootstrap.peer import BootstrapPeer
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
 
@@ -125,16 +123,16 @@ class NodeCollector:
             "protocol_version": str(PROTOCOL_VERSION),
         }
         yield InfoMetricFamily(f"{NAMESPACE}_node", "who this node is and what it holds", value=info)
-        yield _gauge("stage", "the stage this node holds (0: data node or rollout worker)", node.stage or 0)
-        yield _gauge("start_time_seconds", "when this node started (seconds since the epoch)", node.started_at)
-        yield _gauge("inner_step", "inner optimizer steps taken", progress.inner_step)
-        yield _gauge("outer_epoch", "outer (averaging) epochs taken", progress.outer_epoch)
+        yield gauge("stage", "the stage this node holds (0: data node or rollout worker)", node.stage or 0)
+        yield gauge("start_time_seconds", "when this node started (seconds since the epoch)", node.started_at)
+        yield gauge("inner_step", "inner optimizer steps taken", progress.inner_step)
+        yield gauge("outer_epoch", "outer (averaging) epochs taken", progress.outer_epoch)
         if progress.loss is not None:
-            yield _gauge("loss", "the last training loss this node saw", progress.loss)
+            yield gauge("loss", "the last training loss this node saw", progress.loss)
         if progress.grad_norm is not None:
-            yield _gauge("grad_norm", "the last gradient norm before clipping", progress.grad_norm)
-        yield _gauge("max_inflight", "microbatches this node holds activations for at most", node.max_inflight)
-        yield _gauge("block_throughput", "measured transformer blocks per second", node.block_throughput)
+            yield gauge("grad_norm", "the last gradient norm before clipping", progress.grad_norm)
+        yield gauge("max_inflight", "microbatches this node holds activations for at most", node.max_inflight)
+        yield gauge("block_throughput", "measured transformer blocks per second", node.block_throughput)
         yield from self._view()
         yield from self._pipeline(stats, traffic)
         yield _counters("errors", "errors by kind", "kind", self._errors(stats, traffic))
@@ -143,12 +141,12 @@ class NodeCollector:
             kinds = ("sent", "received", "refused", "refused_by_peers")
             bundles = {kind: traffic[f"bundles_{kind}"] for kind in kinds}
             yield _counters("rollout_bundles", "rollout bundles by fate", "kind", bundles)
-            yield _gauge("rollout_round", "the GRPO round this node is collecting", stats.get("round", 0))
+            yield gauge("rollout_round", "the GRPO round this node is collecting", stats.get("round", 0))
 
     def _view(self) -> Iterator[Metric]:
         view = self.node.view
         live = view.live_nodes() if view is not None else ()
-        yield _gauge("peers_seen", "live nodes of this run in the node's last view of the swarm", len(live))
+        yield gauge("peers_seen", "live nodes of this run in the node's last view of the swarm", len(live))
         if view is not None and self.node.run.mode != "grpo":
             replicas = {str(s): len(view.replicas(s)) for s in range(view.stages)}
             yield _gauges("stage_replicas", "live replicas per stage in the node's last view", "stage", replicas)
@@ -168,7 +166,7 @@ class NodeCollector:
                 "compute_collisions", "microbatch passes that waited for another job of this node", stats["collisions"]
             )
             yield _counter("compute_collision_seconds", "how long those passes waited", stats["collision_s"])
-            yield _gauge(
+            yield gauge(
                 "microbatches_in_flight", "microbatches whose backward has not run here yet", stats["in_flight"]
             )
         if "microbatches_injected" in stats:  # a data node
@@ -186,7 +184,7 @@ class NodeCollector:
             recoveries = stats["backward_recoveries"]
             yield _counter("backward_recoveries", "lost backward hops this data node had redone", recoveries)
             in_flight = stats["microbatches_in_flight"]
-            yield _gauge("microbatches_in_flight", "microbatches injected and not ended yet", in_flight)
+            yield gauge("microbatches_in_flight", "microbatches injected and not ended yet", in_flight)
 
     def _errors(self, stats: dict[str, Any], traffic: dict[str, Any]) -> dict[str, float]:
         errors = dict.fromkeys(ERROR_KINDS, 0)
@@ -199,21 +197,7 @@ class NodeCollector:
         return errors
 
 
-class BootstrapCollector:
-    """The few metrics of a bootstrap peer: who it is, and how many DHT peers it knows."""
-
-    def __init__(self, peer: BootstrapPeer):
-        self.peer = peer
-
-    def collect(self) -> Iterator[Metric]:
-        run = self.peer.run
-        info = {"peer_id": self.peer.dht.peer_id, "role": "bootstrap", "run": run.name if run else ""}
-        yield InfoMetricFamily(f"{NAMESPACE}_node", "who this peer is", value=info)
-        table = self.peer.dht.node.protocol.routing_table
-        yield _gauge("dht_peers", "peers in this node's DHT routing table", len(table.uid_to_peer_id))
-
-
-def registry_for(collector: NodeCollector | BootstrapCollector) -> CollectorRegistry:
+def registry_for(collector: Collector) -> CollectorRegistry:
     """A registry of its own for one node: its collector and this process's CPU and memory."""
     registry = CollectorRegistry()
     registry.register(collector)

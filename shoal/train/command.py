@@ -39,7 +39,7 @@ def resolve_run_source(args: argparse.Namespace) -> RunSource:
 def _overridden(run: RunConfig, args: argparse.Namespace) -> RunConfig:
     overrides: dict[str, Any] = {}
     if args.data is not None:
-        from shoal.model.data import with_local_data
+        from shoal.train.data import with_local_data
 
         run = with_local_data(run, args.data)
     if args.steps is not None:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shoal.device import DeviceError, choose_device
-    from shoal.model.data import load_token_splits
+    from shoal.train.data import load_token_splits
     from shoal.report import write_report
     from shoal.train.reference import ReferenceTrainer
 
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(path)
     if args.export:
-        from shoal.model.data import run_tokenizer
+        from shoal.train.data import run_tokenizer
         from shoal.model.hf import export_checkpoint
 
         tokenizer = run_tokenizer(run_config.data, run_config.model.vocab_size, tokenizer_file)

@@ -26,12 +26,11 @@ does not reset it; a replica that starts afresh (a join, a restart) starts with 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shoal.config import OUTER_CODECS
 from shoal.protocol.errors import BadTensor
 
 BLOCK = 64  # values per int8 scale
@@ -56,26 +55,70 @@ class PieceSpec:
 
 
 @dataclass(frozen=True)
+class TensorCodec:
+    """One way to put one tensor on the wire: the pieces a receiver expects, encoding, strict decoding.
+    `k` is the top-k count per chunk where the codec takes one (the others ignore it)."""
+
+    specs: Callable[[Shape, int], list[PieceSpec]]
+    encode: Callable[[torch.Tensor, int], list[torch.Tensor]]
+    decode: Callable[[Sequence[torch.Tensor], Shape], torch.Tensor]
+
+    @property
+    def pieces(self) -> int:
+        return len(self.specs((1,), 1))
+
+
+EXACT = TensorCodec(
+    specs=lambda shape, k: [PieceSpec("float32", shape)],
+    encode=lambda x, k: [x.detach().float()],
+    decode=lambda pieces, shape: pieces[0].float(),
+)
+INT8_BLOCKS = TensorCodec(
+    specs=lambda shape, k: _int8_specs(shape),
+    encode=lambda x, k: int8_blocks(x),
+    decode=lambda pieces, shape: from_int8_blocks(*pieces, shape),
+)
+TOPK_CHUNKS = TensorCodec(
+    specs=lambda shape, k: _topk_specs(shape, k),
+    encode=lambda x, k: topk_chunks(x, k),
+    decode=lambda pieces, shape: from_topk_chunks(*pieces, shape),
+)
+# `[averaging] codec` -> how φ and how Δ travel (OUTER_CODECS in shoal/config.py names the same; a test
+# holds them equal)
+OUTER_CODEC_TABLE: dict[str, tuple[TensorCodec, TensorCodec]] = {
+    "float32": (EXACT, EXACT),
+    "int8": (INT8_BLOCKS, INT8_BLOCKS),
+    "topk": (INT8_BLOCKS, TOPK_CHUNKS),
+}
+
+
+@dataclass(frozen=True)
 class OuterCodec:
     name: str = "float32"
     topk_fraction: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.name not in OUTER_CODECS:
-            raise ValueError(f"outer codec must be one of {', '.join(OUTER_CODECS)}, got {self.name!r}")
+        if self.name not in OUTER_CODEC_TABLE:
+            raise ValueError(f"outer codec must be one of {', '.join(OUTER_CODEC_TABLE)}, got {self.name!r}")
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
 
     @property
     def exact(self) -> bool:
-        return self.name == "float32"
+        return OUTER_CODEC_TABLE[self.name][1] is EXACT
+
+    @property
+    def _phi(self) -> TensorCodec:
+        return OUTER_CODEC_TABLE[self.name][0]
+
+    @property
+    def _delta(self) -> TensorCodec:
+        return OUTER_CODEC_TABLE[self.name][1]
 
     # ---- what goes -------------------------------------------------------------------------------
 
     def encode_phi(self, phi: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.exact:
-            return [p.detach().float() for p in phi]
-        return [piece for p in phi for piece in int8_blocks(p)]
+        return [piece for p in phi for piece in self._phi.encode(p, 0)]
 
     def encode_delta(
         self, delta: Sequence[torch.Tensor], error: Sequence[torch.Tensor] | None
@@ -86,12 +129,8 @@ class OuterCodec:
         pieces, sent, left = [], [], []
         for k, d in enumerate(delta):
             target = d.detach().float() + (error[k] if error is not None else 0.0)
-            if self.name == "int8":
-                parts = int8_blocks(target)
-                decoded = from_int8_blocks(*parts, tuple(d.shape))
-            else:
-                parts = topk_chunks(target, self.k_per_chunk(d.numel()))
-                decoded = from_topk_chunks(*parts, tuple(d.shape))
+            parts = self._delta.encode(target, self.k_per_chunk(d.numel()))
+            decoded = self._delta.decode(parts, tuple(d.shape))
             pieces += parts
             sent.append(decoded)
             left.append(target - decoded)
@@ -100,24 +139,16 @@ class OuterCodec:
     # ---- what comes ------------------------------------------------------------------------------
 
     def phi_specs(self, shapes: Sequence[Shape]) -> list[PieceSpec]:
-        if self.exact:
-            return [PieceSpec("float32", s) for s in shapes]
-        return [spec for s in shapes for spec in _int8_specs(s)]
+        return [spec for s in shapes for spec in self._phi.specs(s, 0)]
 
     def delta_specs(self, shapes: Sequence[Shape]) -> list[PieceSpec]:
-        if self.name != "topk":
-            return self.phi_specs(shapes)
-        return [spec for s in shapes for spec in _topk_specs(s, self.k_per_chunk(math.prod(s)))]
+        return [spec for s in shapes for spec in self._delta.specs(s, self.k_per_chunk(math.prod(s)))]
 
     def decode_phi(self, pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
-        if self.exact:
-            return [p.float() for p in pieces]
-        return [from_int8_blocks(*pieces[2 * k : 2 * k + 2], s) for k, s in enumerate(shapes)]
+        return _decode(self._phi, pieces, shapes)
 
     def decode_delta(self, pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
-        if self.name != "topk":
-            return self.decode_phi(pieces, shapes)
-        return [from_topk_chunks(*pieces[3 * k : 3 * k + 3], s) for k, s in enumerate(shapes)]
+        return _decode(self._delta, pieces, shapes)
 
     def k_per_chunk(self, numel: int) -> int:
         return max(1, math.ceil(self.topk_fraction * min(CHUNK, max(1, numel))))
@@ -125,6 +156,11 @@ class OuterCodec:
     def bytes_per_exchange(self, shapes: Sequence[Shape]) -> int:
         """What one side sends in one exchange (φ and Δ), by the specs."""
         return sum(s.nbytes for s in self.phi_specs(shapes) + self.delta_specs(shapes))
+
+
+def _decode(codec: TensorCodec, pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+    n = codec.pieces
+    return [codec.decode(pieces[n * k : n * k + n], s) for k, s in enumerate(shapes)]
 
 
 _ITEM_BYTES = {"float32": 4, "int32": 4, "int8": 1}

@@ -17,12 +17,11 @@ demo and the benchmark call the same rule.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from shoal.config import REPAIR_RULES as RULES
 from shoal.config import RunConfig
 from shoal.model.llama import derive_seed
 from shoal.model.stages import build_stage
@@ -119,32 +118,66 @@ def swap_variant(step: int, microbatch: int, per_step: int, share: float) -> int
 
 
 def plan_repair(stage: int, num_stages: int, available: set[int], rule: str) -> RepairPlan:
-    """How to rebuild `stage` given the block stages that still have a live replica.
+    """How to rebuild `stage` given the block stages that still have a live replica, by `rule`
+    (`[repair] rule`: one planner each in `REPAIR_PLANNERS`).
 
     The paper covers an interior stage with both neighbours alive and (CheckFree+) an edge stage with
     its partner alive. Anything else falls back to the best rule still possible, and says so: one
     neighbour left -> copy it; none -> a fresh initialisation (the stage's training is lost)."""
-    if rule not in RULES:
-        raise ValueError(f"unknown repair rule {rule!r} (known: {', '.join(RULES)})")
+    if rule not in REPAIR_PLANNERS:
+        raise ValueError(f"unknown repair rule {rule!r} (known: {', '.join(REPAIR_PLANNERS)})")
     if stage not in block_stages(num_stages):
         raise ValueError(f"stage {stage} is not a block stage of a {num_stages}-stage pipeline")
-    if rule == "random":
-        return RepairPlan(stage, "random", ())
     neighbours = [s for s in (stage - 1, stage + 1) if s in block_stages(num_stages)]
-    alive = [s for s in neighbours if s in available]
-    partner = swap_partner(stage, num_stages)
-    if rule == "checkfree_plus" and partner is not None:
-        if partner in available:
-            return RepairPlan(stage, "copy_partner", (partner,))
-        return _fallback(stage, alive, f"swap partner {partner} is lost too")
-    if len(neighbours) == 1 and alive:  # an edge stage under plain CheckFree: copy its one block neighbour
-        return RepairPlan(stage, "copy", tuple(alive), note="edge stage: one block neighbour")
-    if len(alive) == 2:
-        if rule == "copy":
-            return RepairPlan(stage, "copy", (alive[0],))
-        return RepairPlan(stage, "checkfree" if rule in ("checkfree", "checkfree_plus") else "uniform", tuple(alive))
-    lost = [s for s in neighbours if s not in available]
-    return _fallback(stage, alive, f"neighbour stage(s) {lost} lost too")
+    lost = LostStage(stage, neighbours, [s for s in neighbours if s in available], swap_partner(stage, num_stages),
+                     available)  # fmt: skip
+    return REPAIR_PLANNERS[rule](lost)
+
+
+@dataclass(frozen=True)
+class LostStage:
+    """What a planner sees of a lost block stage: its block neighbours, those alive, its swap partner."""
+
+    stage: int
+    neighbours: list[int]
+    alive: list[int]
+    partner: int | None
+    available: set[int]
+
+
+def _from_neighbours(mix: str) -> Callable[[LostStage], RepairPlan]:
+    """Rebuild from both block neighbours by `mix` (checkfree, uniform, or copy the first); an edge
+    stage copies its one block neighbour."""
+
+    def plan(lost: LostStage) -> RepairPlan:
+        if len(lost.neighbours) == 1 and lost.alive:
+            return RepairPlan(lost.stage, "copy", tuple(lost.alive), note="edge stage: one block neighbour")
+        if len(lost.alive) == 2:
+            sources = (lost.alive[0],) if mix == "copy" else tuple(lost.alive)
+            return RepairPlan(lost.stage, mix, sources)
+        gone = [s for s in lost.neighbours if s not in lost.available]
+        return _fallback(lost.stage, lost.alive, f"neighbour stage(s) {gone} lost too")
+
+    return plan
+
+
+def _checkfree_plus(lost: LostStage) -> RepairPlan:
+    """An edge stage copies its swap partner, which CheckFree+ trained to stand in for it."""
+    if lost.partner is None:
+        return _from_neighbours("checkfree")(lost)
+    if lost.partner in lost.available:
+        return RepairPlan(lost.stage, "copy_partner", (lost.partner,))
+    return _fallback(lost.stage, lost.alive, f"swap partner {lost.partner} is lost too")
+
+
+# `[repair] rule` -> its planner (REPAIR_RULES in shoal/config.py names the same; a test holds them equal)
+REPAIR_PLANNERS: dict[str, Callable[[LostStage], RepairPlan]] = {
+    "checkfree": _from_neighbours("checkfree"),
+    "checkfree_plus": _checkfree_plus,
+    "uniform": _from_neighbours("uniform"),
+    "copy": _from_neighbours("copy"),
+    "random": lambda lost: RepairPlan(lost.stage, "random", ()),
+}
 
 
 def _fallback(stage: int, alive: list[int], why: str) -> RepairPlan:

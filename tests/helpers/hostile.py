@@ -137,7 +137,7 @@ def write_trigger_probes(run_file: Path, workdir: Path, count: int = 48) -> Path
     """Held-out text windows with the backdoor's trigger written in (shoal.adversary.backdoor)."""
     from shoal.adversary.backdoor import BackdoorSpec, trigger_probes, write_probes
     from shoal.config import load_run_config
-    from shoal.model.data import load_token_splits
+    from shoal.train.data import load_token_splits
 
     run = load_run_config(str(run_file))
     splits = load_token_splits(run.data, run.model.vocab_size)

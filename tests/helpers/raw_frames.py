@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 
 import msgpack
 import torch
-from hivemind.p2p import P2P, PeerID
 
 from shoal.dht.swarm import SwarmDHT
-from shoal.node.net.transport import RemoteError, open_call, read_reply
+from shoal.p2p.rpc import Rpc
+from shoal.p2p.streams import RemoteError, read_reply
+from shoal.p2p.transport import Transport
 from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.registry import tag_of
@@ -41,9 +42,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: str, request: object, x: torch.Tensor) -> Ack:
+async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: Rpc, request: object, x: torch.Tensor) -> Ack:
     """One request and its float32 tensor on `rpc` of `peer_id`; the peer's Ack (a RemoteError raises)."""
-    stream = await open_call(client.p2p, peer_id, rpc, timeout_s=10)
+    stream = await client.transport.open(peer_id, rpc.protocol, timeout_s=10)
     try:
         await stream.write_message(request)
         await stream.write_tensor(x, "float32")
@@ -53,7 +54,7 @@ async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: str, request: ob
 
 
 async def send_raw_frame(
-    p2p: P2P, peer: PeerID | str, rpc: str, frame: bytes, expected: type[Reply], timeout_s: float = 10.0
+    transport: Transport, peer: str, rpc: Rpc, frame: bytes, expected: type[Reply], timeout_s: float = 10.0
 ) -> Reply | RemoteError:
     """Open `rpc` on `peer`, write `frame` unchecked as one request frame, and read the reply.
 
@@ -61,7 +62,7 @@ async def send_raw_frame(
     decoder's refusal has the code `malformed_message`), so the caller asserts on either. Any other
     failure (a stream that cannot open, a reply that never comes) propagates. The stream is always closed.
     """
-    stream = await open_call(p2p, peer, rpc, timeout_s=timeout_s)
+    stream = await transport.open(peer, rpc.protocol, timeout_s=timeout_s)
     try:
         await stream.write_frame(frame)
         return await read_reply(stream, expected)

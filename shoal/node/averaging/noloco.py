@@ -33,7 +33,7 @@ from shoal.node.averaging.base import Averager, Replica, outer_codec_name, outer
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import OuterStep
-from shoal.node.net.transport import FramedStream, open_call, read_reply
+from shoal.p2p.streams import FramedStream, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GossipAccept, GossipRequest
 from shoal.protocol.tensors import TensorSpec
@@ -234,7 +234,7 @@ class NoLoCoAverager(Averager):
 
     async def _call(self, partner: str, epoch: int, offer: Offer) -> tuple[list, list] | None:
         try:
-            stream = await open_call(self.ctx.p2p, partner, "rpc_gossip", self.timeout_s)
+            stream = await self.ctx.rpc.gossip.open(partner, self.timeout_s)
         except Exception as e:
             self.ctx.suspects.mark(partner, f"gossip dial failed: {e!r}")
             raise

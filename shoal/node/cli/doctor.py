@@ -35,7 +35,8 @@ async def self_check(peers: list[str], host_maddrs: list[str], announce_maddrs: 
     from hivemind.p2p import P2P, PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from shoal.node.net import reachability
+    from shoal.p2p import reachability
+    from shoal.p2p.transport import Libp2pTransport
 
     try:
         p2p = await P2P.create(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None, dht_mode="client",
@@ -55,7 +56,7 @@ async def self_check(peers: list[str], host_maddrs: list[str], announce_maddrs: 
         if not ids:
             return "-     reachability not checked: no peer could be reached again for the self-check"
         ours = [str(m) for m in await p2p.get_visible_maddrs()]
-        result = await reachability.check(p2p, ours, ids)
+        result = await reachability.check(Libp2pTransport(p2p), ours, ids)
     finally:
         await p2p.shutdown()
     if result.reachable:

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per stage copy (default 60)")
 
 
-async def gather_stages(p2p: Any, run: Any, view: Any, timeout_s: float) -> list[Any]:
+async def gather_stages(transport: Any, run: Any, view: Any, timeout_s: float) -> list[Any]:
     """Every stage's module, with the weights of the most trained live replica that gave them."""
     from shoal.model.stages import build_stage
     from shoal.node.stage.copy import fetch_stage
@@ -49,7 +49,7 @@ async def gather_stages(p2p: Any, run: Any, view: Any, timeout_s: float) -> list
         errors = []
         for replica in replicas:
             try:
-                fetched = await fetch_stage(p2p, replica.peer_id, stage, reference, timeout_s)
+                fetched = await fetch_stage(transport, replica.peer_id, stage, reference, timeout_s)
             except Exception as e:
                 errors.append(f"{replica.peer_id[-8:]}: {e}")
                 continue
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             run_config = await resolve_run(dht, lookup)
             view = await dht.read_view(run_config)
-            return run_config, await gather_stages(dht.p2p, run_config, view, args.timeout)
+            return run_config, await gather_stages(dht.transport, run_config, view, args.timeout)
         finally:
             await dht.shutdown()
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(run_config: Any) -> Any:
-    from shoal.model.data import run_tokenizer
+    from shoal.train.data import run_tokenizer
 
     try:
         return run_tokenizer(run_config.data, run_config.model.vocab_size)

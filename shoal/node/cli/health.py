@@ -70,8 +70,9 @@ async def ping(peer_id: str, maddrs: list[str], timeout_s: float) -> str:
 
     from hivemind.p2p import P2P
 
-    from shoal.node.net.transport import call
-    from shoal.protocol.messages import Ping, Pong
+    from shoal.p2p.services import NodeRpcs
+    from shoal.p2p.transport import Libp2pTransport
+    from shoal.protocol.messages import Ping
     from shoal.protocol.version import PROTOCOL_VERSION
 
     deadline = time.monotonic() + timeout_s
@@ -90,9 +91,8 @@ async def ping(peer_id: str, maddrs: list[str], timeout_s: float) -> str:
         nonce = secrets.randbits(63)
         started = time.monotonic()
         try:
-            pong = await call(
-                p2p, peer_id, "rpc_ping", Ping(sent_at=time.time(), nonce=nonce), Pong, max(1.0, deadline - started)
-            )
+            ping = Ping(sent_at=time.time(), nonce=nonce)
+            pong = await NodeRpcs(Libp2pTransport(p2p)).ping(peer_id, ping, max(1.0, deadline - started))
         except Exception as e:
             raise Unhealthy(f"node …{peer_id[-8:]} did not answer its health RPC ({type(e).__name__} {e})") from None
         rtt_ms = (time.monotonic() - started) * 1000

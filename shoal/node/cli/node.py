@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     config = with_swarm_peers(config)
     if config.experiment.link is not None:
-        from shoal.node.net.shaper import LinkShape, shape_links
+        from shoal.p2p.shaper import LinkShape, shape_links
 
         try:
             shape_links(LinkShape.parse(config.experiment.link))

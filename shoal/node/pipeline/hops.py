@@ -21,7 +21,9 @@ from shoal.node.averaging.base import Averager
 from shoal.node.averaging.noloco import NoLoCoAverager
 from shoal.node.compute import BACKGROUND, BACKWARD, ComputeThread
 from shoal.node.engine import AbandonReason, TrainedState, snapshot_trained
-from shoal.node.net.transport import FramedStream, RemoteError, StreamPool, open_call, read_reply
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import Rpc, StreamPool
+from shoal.p2p.streams import FramedStream, RemoteError, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import (
     Ack,
@@ -117,7 +119,8 @@ class PipelineEngine:
         self.banned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
         self.stream_retries = 0
-        self.streams = StreamPool(ctx.p2p)  # kept streams for this engine's hops
+        self.streams = StreamPool(ctx.transport)  # kept streams for this engine's hops and step closes
+        self.rpc = EngineRpcs(ctx.transport, self.streams)
         self.recomputes_delegated = 0
         self._view_read_at = 0.0
         self._view_read: asyncio.Future | None = None  # the fresh view read under way, if any (`listed`)
@@ -226,7 +229,7 @@ class PipelineEngine:
         return x
 
     async def send(
-        self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor, retries: int = SEND_RETRIES
+        self, peer_id: str, rpc: Rpc, request: object, tensor: torch.Tensor, retries: int = SEND_RETRIES
     ) -> Ack:
         """Send one request and its tensor; returns the receiver's Ack once it took it.
 
@@ -240,11 +243,11 @@ class PipelineEngine:
                 if e.refused or attempt == retries:
                     raise
                 self.stream_retries += 1
-                logger.info("[%s] %s to %s: %s; retrying", self.ctx.short_id, rpc, peer_id[-8:], e)
+                logger.info("[%s] %s to %s: %s; retrying", self.ctx.short_id, rpc.name, peer_id[-8:], e)
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _send_once(self, peer_id: str, rpc: str, request: object, tensor: torch.Tensor) -> Ack:
+    async def _send_once(self, peer_id: str, rpc: Rpc, request: object, tensor: torch.Tensor) -> Ack:
         """One hop on a kept stream to the peer if there is one (a kept stream found dead is replaced by
         a fresh one at once: the peer takes a repeat as done), else on a new stream."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
@@ -255,7 +258,7 @@ class PipelineEngine:
             except Exception as e:
                 raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
             try:
-                kind = "gradient" if rpc in ("rpc_backward", "rpc_recompute") else "activation"
+                kind = "gradient" if rpc in (EngineRpcs.backward, EngineRpcs.recompute) else "activation"
                 sent = await stream.write_tensor(tensor, self.wire_dtype, leading=(request,), kind=kind)
                 ack = await read_reply(stream, Ack)
                 break
@@ -281,7 +284,7 @@ class PipelineEngine:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
         try:
-            stream = await open_call(self.ctx.p2p, peer_id, "rpc_fetch_output", timeout_s)
+            stream = await self.rpc.fetch_output.open(peer_id, timeout_s)
         except Exception as e:
             raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
         try:
@@ -360,7 +363,7 @@ class PipelineEngine:
                 tokens=tokens,
             )
             try:
-                await self.send(peer, "rpc_recompute", redo, grad)
+                await self.send(peer, EngineRpcs.recompute, redo, grad)
                 self.recomputes_delegated += 1
                 logger.info(
                     "[%s] %s: hop %d (stage %d) redone by %s after: %s",
@@ -422,7 +425,7 @@ async def push_forward(engine: PipelineEngine, request: ForwardRequest, tensor: 
         target = request.origin if home else request.route[request.hop].peer_id
         try:
             started = time.monotonic()
-            ack = await engine.send(target, "rpc_forward", request, tensor)
+            ack = await engine.send(target, EngineRpcs.forward, request, tensor)
             if not home:
                 router = engine.ctx.router
                 router.observe(engine.ctx.peer_id, target, request.route[request.hop].stage, time.monotonic() - started)

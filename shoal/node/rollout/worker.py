@@ -37,12 +37,13 @@ from shoal.grpo.warmup import cached_warm_up
 from shoal.logs import printable
 from shoal.node.context import NodeContext
 from shoal.node.engine import Handler, Progress, TrainedState
-from shoal.node.net.transport import call
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import Rpc
 from shoal.planning.observed import Trip
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.rollout import BadRollout, RolloutBundle, validate_bundle
-from shoal.train.grpo import GRPOConfig
+from shoal.grpo.loss import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,8 @@ class RolloutWorker:
 
     # ---- what the node asks of its engine (engine.py) ------------------------------------------------
 
-    def handlers(self) -> Mapping[str, Handler]:
-        return {"rollouts": self.on_rollouts}
+    def handlers(self) -> Mapping[Rpc, Handler]:
+        return {EngineRpcs.rollouts: self.on_rollouts}
 
     def progress(self) -> Progress:
         return Progress(model_id=self.model_id, excluded=tuple(self.excluded))
@@ -363,7 +364,7 @@ class RolloutWorker:
 
     async def _send(self, peer: str, bundle: RolloutBundle) -> None:
         try:
-            ack = await call(self.ctx.p2p, peer, "rpc_rollouts", bundle, Ack, self.grpo.round_deadline_s)
+            ack = await self.ctx.rpc.rollouts(peer, bundle, self.grpo.round_deadline_s)
         except Exception as error:  # a dead, slow or refusing peer: the round goes on without it
             self.traffic.send_failures += 1
             logger.info("[%s] rollouts to %s failed: %s", self.ctx.short_id, peer[-8:], type(error).__name__)

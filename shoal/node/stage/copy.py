@@ -19,7 +19,9 @@ from shoal.node.averaging.base import Averager
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import GradNorms
-from shoal.node.net.transport import FramedStream, open_call, read_reply
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.streams import FramedStream, read_reply
+from shoal.p2p.transport import Transport
 from shoal.planning.donors import donor_order
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
@@ -122,7 +124,7 @@ class FetchedStage:
 
 
 async def fetch_stage(
-    p2p: Any,
+    transport: Transport,
     peer: str,
     stage: int,
     reference: list[torch.Tensor],
@@ -137,7 +139,7 @@ async def fetch_stage(
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await _fetch_once(p2p, peer, stage, reference, timeout_s, moments)
+            return await _fetch_once(transport, peer, stage, reference, timeout_s, moments)
         except DonorBusy:
             if not wait_if_busy or time.monotonic() + BUSY_RETRY_S >= deadline:
                 raise
@@ -145,9 +147,9 @@ async def fetch_stage(
 
 
 async def _fetch_once(
-    p2p: Any, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, moments: bool
+    transport: Transport, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, moments: bool
 ) -> FetchedStage:
-    stream = await open_call(p2p, peer, "rpc_copy_stage", timeout_s)
+    stream = await EngineRpcs(transport).copy_stage.open(peer, timeout_s)
     n = len(reference)
     try:
         await stream.write_message(StageCopyRequest(stage=stage, moments=moments))
@@ -207,8 +209,9 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     for source in (by_id[p] for p in donor_order(ctx.peer_id, ctx.started_at, sources, joiners)):
         logger.info("[%s] copying stage %d from %s", ctx.short_id, worker.stage, source.peer_id[-8:])
         try:
-            fetched = await fetch_stage(ctx.p2p, source.peer_id, worker.stage, ours, ctx.config.network.rpc_timeout_s,
-                                        wait_if_busy=False, moments=wants_moments(worker))  # fmt: skip
+            fetched = await fetch_stage(ctx.transport, source.peer_id, worker.stage, ours,
+                                        ctx.config.network.rpc_timeout_s, wait_if_busy=False,
+                                        moments=wants_moments(worker))  # fmt: skip
         except DonorBusy:
             logger.info("[%s] %s is serving another copy of stage %d: trying another replica", ctx.short_id,
                         source.peer_id[-8:], worker.stage)  # fmt: skip

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from shoal.model.stages import build_stage
-from shoal.node.net.transport import FramedStream
 from shoal.node.stage.copy import WIRE_DTYPE, DonorBusy, FetchedStage, StageHolder, adopt_stage, fetch_stage
+from shoal.p2p.streams import FramedStream
 from shoal.planning.swarm_view import STATE_ACTIVE
 from shoal.protocol.pipeline import Ack, StageCopy
 
@@ -77,7 +77,7 @@ class EdgeCopyKeeper:
             self._reference = stage0_reference(self.worker)
         for holder in holders:
             try:
-                fetched = await fetch_stage(ctx.p2p, holder.peer_id, 0, self._reference,
+                fetched = await fetch_stage(ctx.transport, holder.peer_id, 0, self._reference,
                                             ctx.config.network.rpc_timeout_s, wait_if_busy=False)  # fmt: skip
             except DonorBusy:
                 continue
@@ -131,8 +131,8 @@ async def recover_stage0(driver: StageHolder) -> str | None:
     copies = []
     for keeper in keepers:
         try:
-            copies.append(await fetch_stage(ctx.p2p, keeper.peer_id, 0, reference, ctx.config.network.rpc_timeout_s,
-                                            wait_if_busy=False))  # fmt: skip
+            timeout_s = ctx.config.network.rpc_timeout_s
+            copies.append(await fetch_stage(ctx.transport, keeper.peer_id, 0, reference, timeout_s, wait_if_busy=False))
         except Exception as e:
             logger.info("[%s] no copy of stage 0 from %s: %s", ctx.short_id, keeper.peer_id[-8:], e)
     if not copies:

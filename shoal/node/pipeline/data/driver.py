@@ -20,7 +20,7 @@ import torch
 from shoal.device import to_device, to_host
 from shoal.errors import UsageError
 from shoal.logs import printable
-from shoal.model.data import BatchSampler, load_token_splits, validation_batches
+from shoal.train.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.hf import initial_stage
 from shoal.model.split_backward import WeightGrads
 from shoal.node.averaging.base import Averager
@@ -36,7 +36,7 @@ from shoal.node.engine import (
     outer_state_of,
     restore_trained,
 )
-from shoal.node.net.transport import FramedStream, call, pooled_call
+from shoal.p2p.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
 from shoal.node.pipeline.data.gradients import GradientExchange
 from shoal.node.pipeline.data.ledger import MicrobatchLedger

@@ -21,8 +21,8 @@ import torch
 
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
-from shoal.node.net.transport import FramedStream, open_call, read_reply
 from shoal.node.stage.copy import StageHolder
+from shoal.p2p.streams import FramedStream, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, GradientShare
 from shoal.protocol.tensors import TensorSpec
@@ -137,7 +137,7 @@ class GradientExchange:
 
     async def _call(self, partner: str, step: int, pieces: list[torch.Tensor]):
         try:
-            stream = await open_call(self.ctx.p2p, partner, "rpc_gradient_share", self.timeout_s)
+            stream = await self.ctx.rpc.gradient_share.open(partner, self.timeout_s)
         except Exception as e:
             self.ctx.suspects.mark(partner, f"gradient share dial failed: {e!r}")
             raise

@@ -25,7 +25,7 @@ from shoal.device import compute_kind
 from shoal.model.hf import initial_stage
 from shoal.model.stages import over_the_wire
 from shoal.node.compute import BACKGROUND
-from shoal.node.net.transport import open_call, read_reply
+from shoal.p2p.streams import read_reply
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.protocol.torch_tensors import TORCH_DTYPES
@@ -158,7 +158,7 @@ class StepAuditor:
         """The transcript, checked as anything from a peer: counts, shapes, sizes, finite values."""
         reference = [p.detach() for p in module.parameters()]
         timeout_s = self.ctx.config.network.rpc_timeout_s
-        stream = await open_call(self.ctx.p2p, peer, "rpc_step_transcript", timeout_s)
+        stream = await self.ctx.rpc.step_transcript.open(peer, timeout_s)
         try:
             await stream.write_message(StepTranscriptRequest(microbatch_id=microbatch_id))
             ack = await read_reply(stream, Ack)

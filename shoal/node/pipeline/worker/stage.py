@@ -40,7 +40,7 @@ from shoal.node.engine import (
     outer_state_of,
     restore_trained,
 )
-from shoal.node.net.transport import FramedStream, call
+from shoal.p2p.transport import FramedStream, call
 from shoal.node.pipeline.hops import (
     WIRE_MAX_ABS,
     HopFailed,

@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from shoal.node.net.transport import FramedStream
+from shoal.p2p.streams import FramedStream
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.train.inner import InnerOptimizer, OptimizerState, optimizer_state
 from shoal.train.step_audit import StepTranscript

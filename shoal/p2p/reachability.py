@@ -16,9 +16,9 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 
-from hivemind.p2p import PeerID
-
-from shoal.node.net.transport import FramedStream, call
+from shoal.p2p.services import NodeRpcs
+from shoal.p2p.streams import FramedStream
+from shoal.p2p.transport import Transport
 from shoal.protocol.messages import ReachReply, ReachRequest
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class ReachService:
     def __init__(self) -> None:
         self.dials = asyncio.Semaphore(MAX_CONCURRENT_DIALS)
 
-    async def rpc_reach(self, request: ReachRequest, stream: FramedStream, peer: PeerID) -> ReachReply:
+    async def reach(self, request: ReachRequest, stream: FramedStream, sender: str) -> ReachReply:
         return await answer(request, stream.remote_addr, self.dials)
 
 
@@ -115,11 +115,12 @@ def advice(maddrs: list[str], result: Reachability) -> str:
     )
 
 
-async def check(p2p, maddrs: list[str], peers: list[str]) -> Reachability:
+async def check(transport: Transport, maddrs: list[str], peers: list[str]) -> Reachability:
     """Ask `peers` (at most ASK_PEERS, in order) to dial our TCP addresses back."""
     asked = [m for m in maddrs if tcp_address(m) is not None][:4]
     request = ReachRequest(maddrs=tuple(asked))
-    calls = (call(p2p, peer, "rpc_reach", request, ReachReply, timeout_s=ASK_TIMEOUT_S) for peer in peers[:ASK_PEERS])
+    stub = NodeRpcs(transport)
+    calls = (stub.reach(peer, request, timeout_s=ASK_TIMEOUT_S) for peer in peers[:ASK_PEERS])
     replies = await asyncio.gather(*calls, return_exceptions=True)
     for peer, reply in zip(peers, replies, strict=False):
         if not isinstance(reply, ReachReply):

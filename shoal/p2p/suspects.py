@@ -17,7 +17,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shoal.p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class Suspects:
 
 
 async def watch_peers(
-    p2p: Any,
+    transport: Transport,
     suspects: Suspects,
     listed: Callable[[], set[str]],
     stop: asyncio.Event,
@@ -94,7 +97,7 @@ async def watch_peers(
     connected: set[str] = set()
     while not stop.is_set():
         try:
-            now = {str(info.peer_id) for info in await p2p.list_peers()}
+            now = await transport.connected_peers()
         except Exception as e:  # the daemon is shutting down, or busy: look again next time
             logger.debug("could not list connected peers: %r", e)
             now = connected

@@ -13,8 +13,9 @@ import random
 import time
 from dataclasses import dataclass
 
-from shoal.node.net.transport import call
-from shoal.protocol.messages import Ping, Pong
+from shoal.p2p.services import NodeRpcs
+from shoal.p2p.transport import Transport
+from shoal.protocol.messages import Ping
 
 EWMA = 0.3  # weight of a new sample
 PING_TIMEOUT_S = 2.0
@@ -31,8 +32,9 @@ class LinkEstimate:
 
 
 class LinkMonitor:
-    def __init__(self, p2p, my_peer_id: str):
-        self.p2p, self.me = p2p, my_peer_id
+    def __init__(self, transport: Transport | None, my_peer_id: str):
+        self.rpcs = None if transport is None else NodeRpcs(transport)
+        self.me = my_peer_id
         self.estimates: dict[str, LinkEstimate] = {}
         self.pings_sent = 0
         self.pings_failed = 0
@@ -46,11 +48,14 @@ class LinkMonitor:
 
     async def ping(self, peer: str) -> float | None:
         """One round trip to `peer` in seconds, or None if it did not answer."""
+        if self.rpcs is None:
+            raise RuntimeError("a link monitor without a transport pings nobody")
         self.pings_sent += 1
         started = time.perf_counter()
         try:
-            await call(self.p2p, peer, "rpc_ping", Ping(sent_at=time.time(), nonce=random.getrandbits(31)), Pong,
-                       timeout_s=PING_TIMEOUT_S)  # fmt: skip
+            await self.rpcs.ping(
+                peer, Ping(sent_at=time.time(), nonce=random.getrandbits(31)), timeout_s=PING_TIMEOUT_S
+            )
         except Exception:
             self.pings_failed += 1
             return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from shoal.config import DataConfig
-from shoal.model.data import BatchSampler, load_token_splits, split_tokens, tokenize_text, validation_batches
+from shoal.train.data import BatchSampler, load_token_splits, split_tokens, tokenize_text, validation_batches
 from shoal.model.tokenizer import cached_tokenizer, train_tokenizer
 from tests.helpers.tiny import sample_text
 
