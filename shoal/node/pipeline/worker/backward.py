@@ -46,14 +46,9 @@ class Backwarder:
         transcripts: StepRecorder,
     ) -> None:
         self.hops, self.ctx, self.module = hops, hops.ctx, module
-        self.admission, self.kept, self.clock, self.stepper, self.transcripts = (
-            admission,
-            kept,
-            clock,
-            stepper,
-            transcripts,
-        )
-        self.hooks = hops.ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
+        self.admission, self.kept = admission, kept
+        self.clock, self.stepper, self.transcripts = clock, stepper, transcripts
+        self.hooks = hops.ctx.hooks
         self.backwards = 0
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:

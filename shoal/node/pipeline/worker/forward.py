@@ -44,7 +44,7 @@ class Forwarder:
     ) -> None:
         self.hops, self.ctx, self.stage, self.module = hops, hops.ctx, stage, module
         self.admission, self.clock, self.stepper, self.kept = admission, clock, stepper, kept
-        self.hooks = hops.ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
+        self.hooks = hops.ctx.hooks
         self.forwarding: set[str] = set()  # forwards accepted, not yet saved (evaluation: not yet passed on)
         # the requests of forwards still computing, and routes their data node resumed them on meanwhile:
         # a hop after ours was lost before the activation got there

@@ -53,7 +53,7 @@ class Redo:
         self.hops, self.ctx, self.stage = hops, hops.ctx, stage
         self.admission, self.kept, self.stepper = admission, kept, stepper
         self.forwarder, self.backwarder = forwarder, backwarder
-        self.hooks = hops.ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
+        self.hooks = hops.ctx.hooks
         self.recomputed = 0
         self.recompute_s = 0.0
         self.resumed = 0  # forwards passed on again for the data node, after the hop after ours was lost

@@ -43,7 +43,7 @@ class Stepper:
     ) -> None:
         self.hops, self.clock, self.module, self.optimizer = hops, clock, module, optimizer
         self.transcripts, self.grad_norms = transcripts, grad_norms
-        self.hooks = hops.ctx.hooks  # fault injection and an EXPERIMENT's hostile behaviour (hooks.py)
+        self.hooks = hops.ctx.hooks
         self.live_graphs = 0  # forward graphs (made on the compute thread) whose backward has not run
         self.graphs_starting = 0  # forwards past the step gate whose graph is not yet in live_graphs
         self.gate = asyncio.Event()  # cleared while an inner step is taken: no new graph meanwhile
