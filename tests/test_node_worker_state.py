@@ -24,11 +24,11 @@ def test_the_inner_step_is_due_once_every_contributor_closed_the_step_its_gradie
         clock.contributed(A, 3)
         clock.contributed(B, 5)
         clock.contributed(A, 2)  # an older step's late gradient does not move A's back
-        await clock.hear(A, 3)
+        await clock.mark_heard(A, 3)
         assert not clock.step_due()  # B's step 5 is still open
-        await clock.hear(B, 4)
+        await clock.mark_heard(B, 4)
         assert not clock.step_due()
-        await clock.hear(B, 5)
+        await clock.mark_heard(B, 5)
         assert clock.step_due()
         clock.step_taken()
         assert not clock.step_due() and clock.contributors == {}
@@ -40,12 +40,12 @@ def test_a_close_is_new_sent_again_while_handled_or_overtaken_by_a_later_one() -
     async def main() -> None:
         clock = StepClock(patience_s=1.0, short_id="test")
         assert not clock.sent_again(A, 0) and not clock.overtaken(A, 0)
-        await clock.hear(A, 0)
+        await clock.mark_heard(A, 0)
         assert clock.sent_again(A, 0)  # heard, not yet handled
-        await clock.handled_now(A, 0)
+        await clock.mark_handled(A, 0)
         assert not clock.sent_again(A, 0)  # handled: a close sent again is handled as any
-        await clock.hear(A, 2)
-        await clock.handled_now(A, 2)
+        await clock.mark_heard(A, 2)
+        await clock.mark_handled(A, 2)
         assert clock.overtaken(A, 1) and not clock.overtaken(A, 2)
         clock.contributed(A, 3)
         clock.forget(A)  # A restarted: its new process counts anew
@@ -65,10 +65,10 @@ def test_a_forward_waits_for_its_data_nodes_previous_close_to_be_handled_and_no_
         held = asyncio.ensure_future(clock.after_previous_close(forward(1)))
         await asyncio.sleep(0.05)
         assert not held.done()  # step 0's close has not come
-        await clock.hear(A, 0)
+        await clock.mark_heard(A, 0)
         await asyncio.sleep(0.05)
         assert not held.done()  # ... nor been handled
-        await clock.handled_now(A, 0)
+        await clock.mark_handled(A, 0)
         await asyncio.wait_for(held, 0.5)
         started = time.monotonic()
         await clock.after_previous_close(forward(2))  # step 1's close never comes: the forward goes ahead

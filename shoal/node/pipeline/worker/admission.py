@@ -22,7 +22,8 @@ class Admission:
     """The checks of a worker of `stage`; `hops` says which peers our view lists."""
 
     def __init__(self, hops: PipelineEngine, stage: int, kept: KeptState, clock: StepClock) -> None:
-        self.hops, self.ctx, self.stage, self.kept, self.clock = hops, hops.ctx, stage, kept, clock
+        self.hops, self.ctx, self.stage = hops, hops.ctx, stage
+        self.kept, self.clock = kept, clock
         self.refused = 0  # requests a peer was not entitled to send
 
     def refuse(self, sender: str, microbatch_id: str, why: str) -> str:

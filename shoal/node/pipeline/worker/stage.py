@@ -91,10 +91,6 @@ class StageWorker(PipelineEngine):
         """Untrained and idle: this node may still change stage without losing anything."""
         return not self.busy and self.forwarder.forwards == 0
 
-    @property
-    def reserved(self) -> int:
-        return len(self.forwarder.forwarding)
-
     def handlers(self) -> Mapping[str, Handler]:
         return {
             "forward": self.forwarder.on_forward,

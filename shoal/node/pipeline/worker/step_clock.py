@@ -75,14 +75,16 @@ class StepClock:
         later step's forwards gave up on it): nothing is left for it to do."""
         return step < self.handled.get(origin, -1)
 
-    async def hear(self, origin: str, step: int) -> None:
+    async def mark_heard(self, origin: str, step: int) -> None:
+        """`origin`'s close of `step` arrived: forwards held for it may look whether it was handled."""
         await self._record(self.heard, origin, step)
 
-    async def handled_now(self, origin: str, step: int) -> None:
+    async def mark_handled(self, origin: str, step: int) -> None:
+        """`origin`'s close of `step` was handled (or found stale): forwards held for it go ahead."""
         await self._record(self.handled, origin, step)
 
-    def close(self, step: int) -> None:
-        """A close is handled now (past the checks above)."""
+    def closing(self, step: int) -> None:
+        """A close is being handled, past the checks above: the latest closed step moves."""
         self.closed_step = max(self.closed_step, step)
 
     async def _record(self, record: dict[str, int], origin: str, step: int) -> None:
@@ -164,7 +166,7 @@ class StepCloses:
             return Ack(accepted=False, reason=reason)
         if clock.sent_again(sender, close.step):
             return await self._close_again(close, sender)
-        await clock.hear(sender, close.step)
+        await clock.mark_heard(sender, close.step)
         try:
             await self.hooks.on_close(close.step, clock.short_id)
             if clock.overtaken(sender, close.step):
@@ -173,7 +175,7 @@ class StepCloses:
                 return Ack(accepted=True)
             return await self._handle_close(close, sender)
         finally:
-            await clock.handled_now(sender, close.step)
+            await clock.mark_handled(sender, close.step)
 
     async def _close_again(self, close: StepClose, sender: str) -> Ack:
         """A close we are still handling is answered once handled, not handled twice at once. Once
@@ -184,7 +186,7 @@ class StepCloses:
         return Ack(accepted=True)
 
     async def _handle_close(self, close: StepClose, sender: str) -> Ack:
-        self.clock.close(close.step)
+        self.clock.closing(close.step)
         over = self.kept.close(sender, close.step)
         if over:
             logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.clock.short_id,
