@@ -11,7 +11,8 @@ module, built here and handed only what it uses.
 - backward.py: the B/W-split backward and the gradient passed upstream;
 - redo.py: recompute, recover and resume of a lost hop;
 - step_clock.py: the data nodes' step closes and the contributors to our inner step;
-- stepper.py: the inner and outer steps, never across a live forward graph.
+- stepper.py: the inner and outer steps, never across a live forward graph;
+- notices.py: what a worker tells a data node unasked; transcripts.py: the step audit's records.
 
 Everything a request names is keyed by microbatch id, and a repeated request is taken as done:
 a sender that retries a broken stream never makes a hop run twice.
