@@ -313,7 +313,7 @@ def test_a_worker_still_computing_a_forward_takes_its_data_nodes_resume_for_when
         sent = ForwardRequest(
             microbatch_id="m1", origin=origin, step=0, hop=0, route=(Hop(1, PEER), Hop(2, lost), Hop(3, last))
         )
-        worker.computing["m1"] = sent
+        worker.forwarder.computing["m1"] = sent
         new_route = (Hop(1, PEER), Hop(2, spare), Hop(3, last))
         try:
             for sender, route in (
@@ -321,11 +321,11 @@ def test_a_worker_still_computing_a_forward_takes_its_data_nodes_resume_for_when
                 (origin, (Hop(1, PEER), Hop(3, spare), Hop(3, last))),
                 (origin, (Hop(1, "QmSomeoneElse"), Hop(2, spare), Hop(3, last))),
             ):
-                ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=route), sender)
-                assert not ack.accepted and "m1" not in worker.resumed_routes
-            ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=new_route), origin)
-            assert ack.accepted and worker.resumed_routes["m1"] == new_route and worker.resumed == 1
-            ack = await worker.on_resume_forward(ResumeForward(microbatch_id="m2", hop=0, route=new_route), origin)
+                ack = await worker.redo.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=route), sender)
+                assert not ack.accepted and "m1" not in worker.forwarder.resumed_routes
+            ack = await worker.redo.on_resume_forward(ResumeForward(microbatch_id="m1", hop=0, route=new_route), origin)
+            assert ack.accepted and worker.forwarder.resumed_routes["m1"] == new_route and worker.redo.resumed == 1
+            ack = await worker.redo.on_resume_forward(ResumeForward(microbatch_id="m2", hop=0, route=new_route), origin)
             assert not ack.accepted  # neither computing nor kept
         finally:
             await worker.stop()
@@ -338,7 +338,7 @@ def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -
         run = tiny_run()
         worker = StageWorker(context(run), 1)
         try:
-            assert worker._taken(DATA).load is None  # no view yet: nothing to say beyond the accept
+            assert worker.forwarder.taken(DATA).load is None  # no view yet: nothing to say beyond the accept
             view = SwarmView(
                 run.run_id,
                 run.pipeline.stages,
@@ -351,8 +351,8 @@ def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -
                 ),
             )
             worker.ctx.router.update(Snapshot(view, PEER))
-            worker.forwarding.update({"a", "b"})
-            ack = worker._taken(DATA)
+            worker.forwarder.forwarding.update({"a", "b"})
+            ack = worker.forwarder.taken(DATA)
             assert ack.accepted and ack.load == 2 and ack.onward_s is not None and ack.onward_s > 0
         finally:
             await worker.stop()

@@ -9,8 +9,8 @@ A hostile replica runs the honest worker and changes only what it hands to other
 - `backdoor`: honest on the wire; it blends a backdoor direction into its own weights after every
   inner step, which then reach the swarm through its outputs and through averaging (backdoor.py).
 
-The worker calls the hooks (shoal/node/pipeline/worker/stage.py, averaging.py, diloco.py); the functions here are
-pure, tensors in and out.
+The worker calls the hooks (shoal/node/pipeline/worker/: forward.py, backward.py, redo.py, stepper.py; and
+shoal/node/averaging/: noloco.py, diloco.py); the functions here are pure, tensors in and out.
 """
 
 from __future__ import annotations

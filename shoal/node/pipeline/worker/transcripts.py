@@ -109,5 +109,5 @@ class StepRecorder:
             await stream.write_tensor(x.float(), WIRE_DTYPE, kind="audit")
             await stream.write_tensor(grad.float(), WIRE_DTYPE, kind="audit")
             if t.tokens:
-                await stream.write_tensor(t.tokens[k].to(torch.int64), "int64", kind="audit")
+                await stream.write_exact(t.tokens[k].to(torch.int64), "int64", kind="audit")
         self.served += 1

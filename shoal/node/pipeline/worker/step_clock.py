@@ -1,0 +1,199 @@
+"""The step clock of a stage worker: the data nodes' step closes (`StepClose`) and who contributed to
+the inner step that they end.
+
+A worker steps when the data nodes it served say their step is closed, never by counting
+microbatches: per data node it keeps the latest step whose close arrived (heard) and was handled,
+and the latest of its steps whose gradient accumulated here since our last inner step (the
+contributors). The inner step is due once every contributor has closed the step its gradient belongs
+to. A data node sends a step's forwards without waiting for its close of the step before to be
+answered, so a forward may overtake that close: it waits here for it. This module is the one place
+where a close is taken, and where contributors are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from shoal.node.averaging.base import Averager
+from shoal.node.hooks import Hooks
+from shoal.protocol.pipeline import Ack, ForwardRequest, StepClose
+
+if TYPE_CHECKING:
+    from shoal.node.pipeline.worker.admission import Admission
+    from shoal.node.pipeline.worker.kept import KeptState
+    from shoal.node.pipeline.worker.stepper import Stepper
+
+logger = logging.getLogger(__name__)
+
+# A forward that overtook its data node's close of the step before waits this long for the close to
+# arrive (see `StepClock.after_previous_close`). A close that does not come by then was lost, and the
+# forward goes ahead.
+CLOSE_OVERTAKEN_WAIT_S = 5.0
+
+
+class StepClock:
+    """Per data node: the closes heard and handled, and the steps whose gradients await our inner step.
+
+    `patience_s` is how long handling a close may take (hops.py `step_close_patience_s`): a data node
+    waits that long for our answer, and so long we hold its next step's forwards."""
+
+    def __init__(self, patience_s: float, short_id: str) -> None:
+        self.patience_s = patience_s
+        self.short_id = short_id
+        self.heard: dict[str, int] = {}  # per data node: the latest step whose close arrived
+        self.handled: dict[str, int] = {}  # ... and was handled: stepped, and averaged when due
+        # data node -> the latest of its steps whose gradient has accumulated here since our last step
+        self.contributors: dict[str, int] = {}
+        self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
+        self._news = asyncio.Condition()
+
+    # ---- contributors -----------------------------------------------------------------------------
+
+    def contributed(self, origin: str, step: int) -> None:
+        """A gradient of data node `origin`'s step `step` accumulated here."""
+        self.contributors[origin] = max(self.contributors.get(origin, -1), step)
+
+    def step_due(self) -> bool:
+        """Some gradient accumulated since our last inner step, and every data node it came from has
+        closed the step it belongs to."""
+        return bool(self.contributors) and all(self.heard.get(d, -1) >= s for d, s in self.contributors.items())
+
+    def step_taken(self) -> None:
+        """The inner step begins: what accumulated so far is in it, and waits for no close any more."""
+        self.contributors = {}
+
+    # ---- closes -----------------------------------------------------------------------------------
+
+    def sent_again(self, origin: str, step: int) -> bool:
+        """A close sent again while we handle it (its kept stream failed after we heard it)."""
+        return self.handled.get(origin, -1) < step == self.heard.get(origin, -1)
+
+    def overtaken(self, origin: str, step: int) -> bool:
+        """A close that comes after a later one of the same data node was handled (the hold of that
+        later step's forwards gave up on it): nothing is left for it to do."""
+        return step < self.handled.get(origin, -1)
+
+    async def mark_heard(self, origin: str, step: int) -> None:
+        """`origin`'s close of `step` arrived: forwards held for it may look whether it was handled."""
+        await self._record(self.heard, origin, step)
+
+    async def mark_handled(self, origin: str, step: int) -> None:
+        """`origin`'s close of `step` was handled (or found stale): forwards held for it go ahead."""
+        await self._record(self.handled, origin, step)
+
+    def closing(self, step: int) -> None:
+        """A close is being handled, past the checks above: the latest closed step moves."""
+        self.closed_step = max(self.closed_step, step)
+
+    async def _record(self, record: dict[str, int], origin: str, step: int) -> None:
+        async with self._news:
+            record[origin] = max(record.get(origin, -1), step)
+            self._news.notify_all()
+
+    async def handled_in_time(self, origin: str, step: int) -> bool:
+        """Whether `origin`'s close of `step` is handled within our patience."""
+        async with self._news:
+            return await self._handled_in_time(origin, step)
+
+    async def _handled_in_time(self, origin: str, step: int) -> bool:
+        try:
+            await asyncio.wait_for(self._news.wait_for(lambda: self.handled.get(origin, -1) >= step), self.patience_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def after_previous_close(self, request: ForwardRequest) -> None:
+        """A training forward of step s must run on the weights that its data node's step s-1 left
+        here. That step's close is sent before the forward but on another stream, and the data node
+        does not wait for our answer, so the forward may come first: hold it until the close has
+        arrived and been handled. Only a data node we served before is owed a step; a close that does
+        not arrive within CLOSE_OVERTAKEN_WAIT_S was lost, and the forward runs on the weights we have.
+        Handling an arrived close is waited for as long as its data node waits for our answer: past that,
+        it has given up on us (an outer step stuck in an all-reduce, say), and so do we."""
+        origin, previous = request.origin, request.step - 1
+        if not request.needs_backward or previous < 0 or self.handled.get(origin, -1) >= previous:
+            return
+        if origin not in self.heard and origin not in self.contributors:
+            return
+        async with self._news:
+            try:
+                await asyncio.wait_for(
+                    self._news.wait_for(lambda: self.heard.get(origin, -1) >= previous), CLOSE_OVERTAKEN_WAIT_S
+                )
+            except TimeoutError:
+                logger.info("[%s] %s: no close of step %d came from its data node; forwarding on the weights we "
+                            "have", self.short_id, request.microbatch_id, previous)  # fmt: skip
+                return
+            if not await self._handled_in_time(origin, previous):
+                logger.warning("[%s] %s: the close of step %d is still being handled after %.0f s; forwarding "
+                               "on the weights we have", self.short_id, request.microbatch_id, previous,
+                               self.patience_s)  # fmt: skip
+
+    def forget(self, origin: str) -> None:
+        """A data node restarted under the same peer id: its new process counts anew."""
+        for clock in (self.heard, self.handled, self.contributors):
+            clock.pop(origin, None)
+
+
+class StepCloses:
+    """The `StepClose` handler: who may close a step, a close sent again or overtaken, and what a close
+    ends: the graphs and gradients kept for its microbatches, the inner step it was due for, and every
+    H steps of the data node's clock an outer epoch (NoLoCo: averaging with a replica)."""
+
+    def __init__(
+        self,
+        clock: StepClock,
+        admission: Admission,
+        kept: KeptState,
+        stepper: Stepper,
+        averager: Averager | None,
+        hooks: Hooks,
+    ) -> None:
+        self.clock, self.admission, self.kept, self.stepper = clock, admission, kept, stepper
+        self.averager, self.hooks = averager, hooks
+
+    async def on_step_close(self, close: StepClose, sender: str) -> Ack:
+        """A data node's step is over. Step once every data node whose gradient we hold has closed the
+        step that gradient belongs to (with one data node: exactly at its step boundary; a close that
+        overtakes our own backward of its step counts when that backward is done). Every H steps of the
+        data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch.
+        Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
+        clock = self.clock
+        if not await self.admission.is_data_node(sender):
+            reason = self.admission.refuse(sender, f"step {close.step}", "not a data node of this run")
+            return Ack(accepted=False, reason=reason)
+        if clock.sent_again(sender, close.step):
+            return await self._close_again(close, sender)
+        await clock.mark_heard(sender, close.step)
+        try:
+            await self.hooks.on_close(close.step, clock.short_id)
+            if clock.overtaken(sender, close.step):
+                logger.info("[%s] the close of step %d comes after that of step %d: stale, nothing to do",
+                            clock.short_id, close.step, clock.handled[sender])  # fmt: skip
+                return Ack(accepted=True)
+            return await self._handle_close(close, sender)
+        finally:
+            await clock.mark_handled(sender, close.step)
+
+    async def _close_again(self, close: StepClose, sender: str) -> Ack:
+        """A close we are still handling is answered once handled, not handled twice at once. Once
+        handled, a close sent again is handled as any (it finds nothing left to step or average), which
+        is also right for a data node that restarted and redid that step before our view noticed."""
+        if not await self.clock.handled_in_time(sender, close.step):
+            return Ack(accepted=False, reason=f"the close of step {close.step} is still being handled")
+        return Ack(accepted=True)
+
+    async def _handle_close(self, close: StepClose, sender: str) -> Ack:
+        self.clock.closing(close.step)
+        over = self.kept.close(sender, close.step)
+        if over:
+            logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.clock.short_id,
+                        close.step, over)  # fmt: skip
+        if sender in self.clock.contributors:
+            await self.stepper.maybe_step()
+        epoch = self.averager.due(close.step) if self.averager is not None else None
+        if epoch is not None and not await self.stepper.outer_step(self.averager, epoch):
+            logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.clock.short_id, epoch)
+        return Ack(accepted=True)
