@@ -14,7 +14,7 @@ import torch
 
 from shoal.node.config import ExperimentOptions, LimitOptions, NodeConfig
 from shoal.node.context import NodeContext
-from shoal.node.daemon import node_hooks, run_cost_model
+from shoal.node.engines import node_hooks, run_cost_model
 from shoal.node.engine import Engine, Progress
 from shoal.node.hooks import Hooks
 from shoal.node.net.links import LinkMonitor
