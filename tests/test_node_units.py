@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.config import AveragingConfig
-from shoal.node.averaging.base import outer_config
+from shoal.node.averaging.modes import outer_config
 from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
 from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
@@ -191,3 +191,16 @@ def test_data_nodes_replace_stage_0_with_their_mean_and_block_stages_take_the_ou
         mean_delta = [(delta_a[0] + (theta_b[0] - phi_a[0])) / 2]
         after = diloco_step(state, mean_delta, stage0)
         assert torch.allclose(after.phi[0], (theta_a[0] + theta_b[0]) / 2)
+
+
+def test_every_averaging_mode_the_run_accepts_has_its_averager_and_no_other():
+    from shoal.config import AVERAGING_MODES, ConfigError, run_config_from_dict
+    from shoal.node.averaging.modes import AVERAGERS
+
+    assert list(AVERAGERS) == list(AVERAGING_MODES)
+    for mode, averager in AVERAGERS.items():
+        assert run_config_from_dict({"averaging": {"mode": mode}}).averaging.mode == mode
+        if averager is not None:
+            assert outer_config(AveragingConfig(mode=mode), 1).mode == mode  # its own outer step
+    with pytest.raises(ConfigError, match="averaging.mode"):
+        run_config_from_dict({"averaging": {"mode": "gossip"}})
