@@ -69,6 +69,10 @@ MAX_MEMORY_SAMPLES = 4000
 
 
 class Node:
+    """One peer of one run. It owns the lifecycle and the state every part reads (its stage, its state,
+    its engine); each part gets only what it uses: `Placement` the run, the options and the machine;
+    `ViewKeeper` the DHT, the router and a way to reach the engine; `NodeRecord` what it publishes."""
+
     def __init__(self, config: NodeConfig, dht: SwarmDHT, run: RunConfig, machine: Machine):
         self.config, self.dht, self.run, self.machine = config, dht, run, machine
         self.started_at = float(get_dht_time())

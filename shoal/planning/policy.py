@@ -133,6 +133,8 @@ class StaticPolicy(Policy):
 
 
 class DtfmPolicy(StaticPolicy):
+    """DT-FM's baseline schedule over the allocation (`planning/dtfm.py`)."""
+
     name = "dtfm"
 
     def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
@@ -140,6 +142,8 @@ class DtfmPolicy(StaticPolicy):
 
 
 class RandomSkipPolicy(StaticPolicy):
+    """Full paths that skip a random share of the block stages (`planning/random_skip.py`)."""
+
     name = "random-skip"
 
     def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
@@ -147,6 +151,10 @@ class RandomSkipPolicy(StaticPolicy):
 
 
 class SkipPipePolicy(StaticPolicy):
+    """SkipPipe's partial paths (`planning/skippipe.py`); without collision awareness, its ablation."""
+
+    name = "skippipe"
+
     def __init__(self, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool) -> None:
         super().__init__(cost, rng, options, allocate)
         self.name = "skippipe" if options.collision_aware else "skippipe-nocollision"
@@ -239,8 +247,8 @@ class SwarmPolicy(Policy):
 class CapacityPolicy(Policy):
     """The daemon's first rule, kept as a baseline: per stage, the replica with the earliest expected
     finish, (microbatches this data node has in flight on it + 1) x its compute time, blind to the
-    network. A lost hop goes to the least loaded other replica; a live node joins by seniority and the
-    bottleneck stage (assignment.py), as the daemon's first rule did."""
+    network. A lost hop goes to the least loaded other replica; a live node joins by assignment.py's
+    rule (seniority, then the bottleneck stage)."""
 
     name = "capacity"
     joins_by_seniority = True
