@@ -212,7 +212,7 @@ class Node:
             max_inflight=self.max_inflight,
             maddrs=self._maddrs,
             reachable=self.reachable,
-            placement_note=self.placement.placement_note,
+            placement_note=self.placement.note,
         )
 
     async def publish(self) -> bool:

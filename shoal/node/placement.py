@@ -37,7 +37,7 @@ class Placement:
         self.run, self.options, self.machine, self.router = run, options, machine, router
         self.max_inflight = max_inflight  # --max-inflight (None: what the memory allows)
         self.peer_id, self.started_at = peer_id, started_at
-        self.placement_note: str | None = None  # why memory kept this node off the stage it would have taken
+        self.note: str | None = None  # why memory kept this node off the stage it would have taken
         self.client_only = False  # nobody could dial it back: it holds the data role, which dials out only
 
     @property
@@ -68,14 +68,14 @@ class Placement:
         throughput = self.machine.block_throughput
         forward_s = blocks / max(throughput, 1e-9) / (1.0 + self.router.cost.backward_factor)
         if fitting == self.stages_for_role():  # memory rules nothing out: the swarm's choice, unchanged
-            self.placement_note = None
+            self.note = None
             return self.router.place(view, self.candidate(current), forward_s, inflight)
         chosen = self.router.place(view, self.candidate(current, fitting), forward_s, inflight)
         wanted = self.router.place(view, self.candidate(current), forward_s, inflight)
         note = f"{self.refusal(wanted)}: taking stage {chosen}" if wanted not in fitting else None
-        if note is not None and note != self.placement_note:
+        if note is not None and note != self.note:
             logger.warning("[%s] %s", self.short_id, note)
-        self.placement_note = note
+        self.note = note
         return chosen
 
     def inflight(self, stage: StageIndex) -> int:
