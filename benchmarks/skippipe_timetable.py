@@ -42,7 +42,7 @@ from docs_section import wall_time, write_section
 
 from shoal.config import load_run_config, run_config_from_dict
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
-from shoal.node.daemon import run_cost_model
+from shoal.node.engines import run_cost_model
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.sim.replay import releases_only, simulate_plan, swarm_from_dict

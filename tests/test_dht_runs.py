@@ -16,7 +16,7 @@ from shoal.dht.identity import load_identity
 from shoal.dht.runs import rank_runs
 from shoal.dht.swarm import LOOPBACK_MADDRS, SwarmDHT
 from shoal.node.config import NodeConfig, RunChoice
-from shoal.node.daemon import resolve_run
+from shoal.node.run_source import resolve_run
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,7 +47,7 @@ def test_two_runs_under_one_name_resolve_to_the_first_claim_with_a_report(caplog
                 assert rank_runs(reversed(published)) == published  # the order of arrival does not matter
 
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="shoal.node.daemon"):
+            with caplog.at_level(logging.WARNING, logger="shoal.node.run_source"):
                 chosen = [
                     await resolve_run(reader, NodeConfig(run=RunChoice(run_name=first_run.name))) for reader in readers
                 ]
@@ -71,7 +71,7 @@ def test_two_runs_under_one_name_resolve_to_the_first_claim_with_a_report(caplog
 
             # The other run stays reachable by its id, without a warning.
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="shoal.node.daemon"):
+            with caplog.at_level(logging.WARNING, logger="shoal.node.run_source"):
                 pinned = await resolve_run(
                     readers[1], NodeConfig(run=RunChoice(run_name=f"{second_run.name}@{second_run.run_id[:8]}"))
                 )

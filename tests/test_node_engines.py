@@ -14,8 +14,8 @@ import torch
 
 from shoal.node.config import ExperimentOptions, LimitOptions, NodeConfig
 from shoal.node.context import NodeContext
-from shoal.node.daemon import node_hooks, run_cost_model
 from shoal.node.engine import Engine, Progress
+from shoal.node.engines import node_hooks, run_cost_model
 from shoal.node.hooks import Hooks
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
@@ -358,3 +358,15 @@ def test_under_gwtf_a_worker_answers_a_forward_with_its_load_and_onward_cost() -
             await worker.stop()
 
     asyncio.run(main())
+
+
+def test_every_role_a_node_takes_has_its_engine_factory():
+    from shoal.node.config import ROLES
+    from shoal.node.engines import ENGINES
+
+    assert set(ENGINES) == set(ROLES) - {"auto"}
+    assert {role: factory.work for role, factory in ENGINES.items()} == {
+        "data": "train",  # a data node drives the training
+        "worker": None,  # a stage worker only answers its peers
+        "rollout": "rounds",
+    }

@@ -1,4 +1,5 @@
-"""Unit tests of the daemon's plain parts: the microbatch ledger, the compute thread, routing."""
+"""Unit tests of the daemon's plain parts: the microbatch ledger, the compute thread, routing, placement,
+the averagers' table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shoal.config import AveragingConfig
-from shoal.node.averaging.base import outer_config
+from shoal.node.averaging.modes import outer_config
 from shoal.node.compute import BACKGROUND, BACKWARD, COMPUTE_THREAD_OS_NAME, FORWARD, ComputeThread
 from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
@@ -191,3 +192,56 @@ def test_data_nodes_replace_stage_0_with_their_mean_and_block_stages_take_the_ou
         mean_delta = [(delta_a[0] + (theta_b[0] - phi_a[0])) / 2]
         after = diloco_step(state, mean_delta, stage0)
         assert torch.allclose(after.phi[0], (theta_a[0] + theta_b[0]) / 2)
+
+
+def test_every_averaging_mode_the_run_accepts_has_its_averager_and_no_other():
+    from shoal.config import AVERAGING_MODES, ConfigError, run_config_from_dict
+    from shoal.node.averaging.modes import AVERAGERS
+
+    assert list(AVERAGERS) == list(AVERAGING_MODES)
+    for mode, averager in AVERAGERS.items():
+        assert run_config_from_dict({"averaging": {"mode": mode}}).averaging.mode == mode
+        if averager is not None:
+            assert outer_config(AveragingConfig(mode=mode), 1).mode == mode  # its own outer step
+    with pytest.raises(ConfigError, match="averaging.mode"):
+        run_config_from_dict({"averaging": {"mode": "gossip"}})
+
+
+def _placement(**options):
+    import torch
+
+    from shoal.device import DeviceInfo
+    from shoal.node.config import PlacementOptions
+    from shoal.node.machine import Machine
+    from shoal.node.placement import Placement
+    from tests.helpers.tiny import tiny_run
+
+    gib16 = 16 * 2**30
+    machine = Machine(torch.device("cpu"), DeviceInfo("cpu", "test", gib16, gib16), None, gib16, None, 10.0)
+    router = PeerRouter("gwtf", CostModel(activation_bytes=1024))
+    return Placement(tiny_run(), PlacementOptions(**options), None, machine, router, "QmPlaced", 0.0)
+
+
+def test_a_node_nobody_can_dial_takes_the_data_role_unless_its_flags_say_worker():
+    from shoal.errors import UsageError
+    from shoal.node.config import NetworkOptions
+
+    placement = _placement()
+    placement.take_client_role_if_unreachable(None, NetworkOptions())  # not checked: nothing changes
+    assert not placement.client_only
+    placement.take_client_role_if_unreachable(False, NetworkOptions())
+    assert placement.client_only and placement.choose_stage(None, None, 1) == 0
+    relayed = _placement()
+    relayed.take_client_role_if_unreachable(False, NetworkOptions(use_auto_relay=True))  # reached through a relay
+    assert not relayed.client_only
+    for flags, named in (({"role": "worker"}, "--role worker"), ({"stage": 2}, "--stage 2")):
+        with pytest.raises(UsageError, match=named):
+            _placement(**flags).take_client_role_if_unreachable(False, NetworkOptions())
+
+
+def test_a_stage_flag_beyond_the_run_is_refused_and_one_within_it_is_kept():
+    from shoal.errors import UsageError
+
+    assert _placement(stage=2).choose_stage(None, None, 1) == 2
+    with pytest.raises(UsageError, match="--stage 3: run test-tiny has block stages 1..2"):
+        _placement(stage=3).choose_stage(None, None, 1)

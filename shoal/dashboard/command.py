@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from shoal.errors import UsageError
     from shoal.node.cli.runtime import run_daemon
     from shoal.node.config import NodeConfig, RunChoice
-    from shoal.node.daemon import resolve_run
+    from shoal.node.run_source import resolve_run
 
     network = client_network(args)
     if not 0.2 <= args.interval_s <= 600:

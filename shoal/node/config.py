@@ -15,9 +15,10 @@ from pathlib import Path
 from shoal.config import ConfigError
 from shoal.device import DEVICE_HELP, check_device_spec
 from shoal.options import add_option_groups, from_args, option
+from shoal.planning.policy import ROUTING_POLICIES
 
 ROLES = ("auto", "data", "worker", "rollout")
-ROUTINGS = ("auto", "gwtf", "swarm", "capacity", "random", "fixed")
+ROUTINGS = ("auto", *ROUTING_POLICIES)
 STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from shoal.planning.assignment import Candidate, choose_stage, takes_data_role
 from shoal.planning.costs import CostModel
 from shoal.planning.from_view import swarm_from_view
-from shoal.planning.policy import Policy, make_policy
+from shoal.planning.policy import ROUTING_POLICIES, Policy, join_stage, make_policy
 from shoal.planning.skippipe import PlanningError, SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, Swarm
 from shoal.planning.swarm_view import STATE_ACTIVE, PeerID, StageIndex, SwarmView
 
 Link = tuple[float, float]  # (one-way latency s, bandwidth B/s)
 PeerRoute = tuple[tuple[StageIndex, PeerID], ...]
-ROUTING_POLICIES = ("gwtf", "swarm", "capacity", "random", "fixed")
 
 
 @dataclass(frozen=True)
@@ -211,10 +210,11 @@ class PeerRouter:
     def place(self, view: SwarmView, me: Candidate, forward_s: float, memory: int) -> StageIndex:
         """The stage for this node. The data role and empty stages come first, settled by seniority
         (assignment.py), so simultaneous joiners converge; a node that already holds a block stage
-        keeps the hysteresis rule there. Otherwise the policy places it (GWTF: where greedy
-        routes' estimated throughput gains the most; SWARM: the stage with the least compute)."""
+        keeps the hysteresis rule there. Otherwise the policy places it, as it places the simulator's
+        joiners (`join_stage`; GWTF: where greedy routes' estimated throughput gains the most; SWARM: the
+        stage with the least compute)."""
         limited = me.stages_that_fit is not None and len(me.stages_that_fit) < view.stages
-        if self.policy.name == "capacity" or limited or takes_data_role(view, me) or me.current_stage not in (None, 0):
+        if self.policy.joins_by_seniority or limited or takes_data_role(view, me) or me.current_stage not in (None, 0):
             return choose_stage(view, me)
         if any(not view.replicas(s, exclude=me.peer_id) for s in range(1, view.stages)):
             return choose_stage(view, me)
@@ -223,4 +223,4 @@ class PeerRouter:
         others = self._without([me.peer_id])
         site = self.swarm.node(self.ids[me.peer_id]).site
         newcomer = PlanNode(max(self.peers) + 1, 1, site, forward_s, max(1, memory))
-        return self.policy.place(others, newcomer)
+        return join_stage(self.policy, others, newcomer)

@@ -25,14 +25,14 @@ from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
 from shoal.planning.swarm import NodeId, PlanNode, StageIndex, Swarm
 from shoal.planning.swarm_routing import SwarmBalancer, swarm_join_stage
 
-POLICIES = ("dtfm", "random-skip", "skippipe", "swarm", "gwtf", "capacity", "random", "fixed")
-
 
 class Policy:
     """Defaults shared by the route-following policies; the SWARM adapter overrides hop choice."""
 
     name = "policy"
     hop_by_hop = False  # True: the next hop is chosen when a microbatch leaves a node
+    routes_live = True  # False: it plans a whole iteration up front, which a live swarm never holds still for
+    joins_by_seniority = False  # True: a live node places itself by assignment.py's rule, not by `place`
 
     def __init__(self, cost: CostModel, rng: random.Random) -> None:
         self.cost, self.rng = cost, rng
@@ -40,6 +40,11 @@ class Policy:
         self.wall_by_call: dict[str, float] = {}  # planner wall time per planning function
         self.plan: IterationPlan | None = None
         self.clock: Callable[[], float] | None = None  # set to time the planner (simulator reports)
+
+    @classmethod
+    def create(cls, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool) -> Policy:
+        """The policy for a run; `options` and `allocate` are for the static planners."""
+        return cls(cost, rng)
 
     def _timed(self, fn, *args, **kwargs):
         if self.clock is None:
@@ -105,24 +110,57 @@ class Policy:
 class StaticPolicy(Policy):
     """DT-FM, random skipping and SkipPipe: one plan for the whole iteration, made up front."""
 
-    def __init__(
-        self, name: str, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool
-    ) -> None:
+    routes_live = False
+
+    def __init__(self, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool) -> None:
         super().__init__(cost, rng)
-        self.name, self.options, self.allocate = name, options, allocate
+        self.options, self.allocate = options, allocate
+
+    @classmethod
+    def create(cls, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool) -> Policy:
+        return cls(cost, rng, options, allocate)
 
     def start(self, view: Swarm, microbatches: int) -> Swarm:
         if self.allocate:
             sizes = [len(group) for group in view.by_stage]
             allocation = self._timed(allocate_stages, view, self.cost, sizes, self.rng)
             view = view.with_stages(allocation.stage_of)
-        if self.name == "dtfm":
-            self.plan = self._timed(plan_dtfm, view, self.cost, microbatches)
-        elif self.name == "random-skip":
-            self.plan = self._timed(plan_random_skip, view, microbatches, self.options.skip, self.rng)
-        else:
-            self.plan = self._timed(plan_skippipe, view, self.cost, microbatches, self.options, self.rng)
+        self.plan = self._plan(view, microbatches)
         return view
+
+    def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
+        raise NotImplementedError
+
+
+class DtfmPolicy(StaticPolicy):
+    """DT-FM's baseline schedule over the allocation (`planning/dtfm.py`)."""
+
+    name = "dtfm"
+
+    def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
+        return self._timed(plan_dtfm, view, self.cost, microbatches)
+
+
+class RandomSkipPolicy(StaticPolicy):
+    """Full paths that skip a random share of the block stages (`planning/random_skip.py`)."""
+
+    name = "random-skip"
+
+    def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
+        return self._timed(plan_random_skip, view, microbatches, self.options.skip, self.rng)
+
+
+class SkipPipePolicy(StaticPolicy):
+    """SkipPipe's partial paths (`planning/skippipe.py`); without collision awareness, its ablation."""
+
+    name = "skippipe"
+
+    def __init__(self, cost: CostModel, rng: random.Random, options: SkipPipeOptions, allocate: bool) -> None:
+        super().__init__(cost, rng, options, allocate)
+        self.name = "skippipe" if options.collision_aware else "skippipe-nocollision"
+
+    def _plan(self, view: Swarm, microbatches: int) -> IterationPlan:
+        return self._timed(plan_skippipe, view, self.cost, microbatches, self.options, self.rng)
 
 
 class GwtfPolicy(Policy):
@@ -209,9 +247,11 @@ class SwarmPolicy(Policy):
 class CapacityPolicy(Policy):
     """The daemon's first rule, kept as a baseline: per stage, the replica with the earliest expected
     finish, (microbatches this data node has in flight on it + 1) x its compute time, blind to the
-    network. A lost hop goes to the least loaded other replica."""
+    network. A lost hop goes to the least loaded other replica; a live node joins by assignment.py's
+    rule (seniority, then the bottleneck stage)."""
 
     name = "capacity"
+    joins_by_seniority = True
 
     def __init__(self, cost: CostModel, rng: random.Random) -> None:
         super().__init__(cost, rng)
@@ -281,6 +321,22 @@ class FixedLanesPolicy(Policy):
         return tuple(ids[lane] for ids in ranked)
 
 
+POLICIES: dict[str, type[Policy]] = {
+    "dtfm": DtfmPolicy,
+    "random-skip": RandomSkipPolicy,
+    "skippipe": SkipPipePolicy,
+    "swarm": SwarmPolicy,
+    "gwtf": GwtfPolicy,
+    "capacity": CapacityPolicy,
+    "random": RandomPolicy,
+    "fixed": FixedLanesPolicy,
+}
+"""Every policy by the name the simulator's `--policy` and the daemon's `--routing` take it by."""
+
+ROUTING_POLICIES = tuple(name for name, policy in POLICIES.items() if policy.routes_live)
+"""The policies a live node can route by (`--routing`)."""
+
+
 def make_policy(
     name: str,
     cost: CostModel,
@@ -288,18 +344,17 @@ def make_policy(
     options: SkipPipeOptions | None = None,
     allocate: bool = True,
 ) -> Policy:
-    options = options or SkipPipeOptions()
-    if name in ("dtfm", "random-skip", "skippipe"):
-        label = name if name != "skippipe" or options.collision_aware else "skippipe-nocollision"
-        return StaticPolicy(label, cost, rng, options, allocate)
-    if name == "gwtf":
-        return GwtfPolicy(cost, rng)
-    if name == "swarm":
-        return SwarmPolicy(cost, rng)
-    if name == "capacity":
-        return CapacityPolicy(cost, rng)
-    if name == "random":
-        return RandomPolicy(cost, rng)
-    if name == "fixed":
-        return FixedLanesPolicy(cost, rng)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return POLICIES[name].create(cost, rng, options or SkipPipeOptions(), allocate)
+
+
+def join_stage(policy: Policy, view: Swarm, newcomer: PlanNode) -> StageIndex:
+    """The block stage a node joining `view` takes under `policy`: a stage left with no replica first
+    (the lowest; until it is filled no microbatch gets through), else the policy's own placement. The
+    daemon's router comes here once the rules of a live view are settled (planning/peer_router.py);
+    the simulator places its joiners here."""
+    empty = [stage for stage in range(1, view.stages) if not view.by_stage[stage]]
+    if empty:
+        return empty[0]
+    return policy.place(view, newcomer)

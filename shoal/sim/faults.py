@@ -5,8 +5,10 @@ Churn events take block-stage nodes only, unless the churn config asks for data 
 work and everything it holds are gone, and peers learn of it only when a send or an expected reply
 times out (`failure_timeout_s`), which is also when it drops out of the view. A leave is announced:
 the node leaves the view at once, admits nothing new, bounces activations waiting for its memory,
-and goes when it holds nothing. A join takes the stage its policy places it in and serves after
-`join_warmup_s`. A plan made from the view follows it only after a re-plan (`knowledge.py`).
+and goes when it holds nothing. A join takes the stage `join_stage` gives it (planning/policy.py, as
+the daemon's router places a joiner once the rules only a live view has, of roles, memory and
+seniority, are settled) and serves after `join_warmup_s`. A plan made from the view follows it only
+after a re-plan (`knowledge.py`).
 
 Recovery, the same for every policy (DESIGN 4; GWTF; SWARM's public code, whose client keeps a
 stage's inputs and, when a backward call fails, sends inputs and output gradient to another replica,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+from shoal.planning.policy import join_stage
 from shoal.sim.churn import ChurnEvent
 from shoal.sim.state import ORIGIN, Microbatch, Node
 
@@ -134,7 +137,7 @@ class FaultsMixin:
         # a joiner pings the peers it sees listed before it picks a stage (as the daemon does), so a
         # crashed peer whose record has not expired yet does not count as a replica
         answering = self.view.with_nodes(tuple(n for n in self.view.nodes if self.nodes[n.node_id].alive))
-        stage = self.policy.place(answering, newcomer)
+        stage = join_stage(self.policy, answering, newcomer)
         self.at(self.now + self.config.join_warmup_s, self._join_ready, replace(newcomer, stage=stage))
 
     def _join_ready(self, info) -> None:

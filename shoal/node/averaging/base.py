@@ -17,19 +17,13 @@ from shoal.train.outer import OuterConfig, OuterState, epoch_ended
 from shoal.train.robust import OuterHistory
 
 
-def outer_config(averaging: AveragingConfig, stage: int) -> OuterConfig:
-    """The outer step a replica of `stage` takes. Stage 0's replicas are the data nodes, each on its own
-    shard: under `stage0 = "mean"` they replace it with their group's mean every `stage0_every` steps,
-    under `"gradients"` (whose per-step gradient mean is shoal/node/pipeline/data/gradients.py) every
-    `stage0_resync_every` (α 0, β 1, γ 1 make NoLoCo's step, or DiLoCo's with α 0, β 1, exactly that
-    mean). Trained apart for H steps, two data nodes ended 0.25-0.6 nats behind one (docs/benchmarks.md,
-    "Data nodes")."""
-    if averaging.mode == "diloco":
-        config = OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
-    else:
-        config = OuterConfig.noloco(
-            alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
-        )
+def stage_outer_config(config: OuterConfig, averaging: AveragingConfig, stage: int) -> OuterConfig:
+    """The outer step a replica of `stage` takes, from its method's (`config`). Stage 0's replicas are
+    the data nodes, each on its own shard: under `stage0 = "mean"` they replace it with their group's
+    mean every `stage0_every` steps, under `"gradients"` (whose per-step gradient mean is
+    shoal/node/pipeline/data/gradients.py) every `stage0_resync_every` (α 0, β 1, γ 1 make NoLoCo's
+    step, or DiLoCo's with α 0, β 1, exactly that mean). Trained apart for H steps, two data nodes ended
+    0.25-0.6 nats behind one (docs/benchmarks.md, "Data nodes")."""
     if stage == 0 and averaging.stage0 != "outer":
         every = averaging.stage0_every if averaging.stage0 == "mean" else averaging.stage0_resync_every
         plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": every}
@@ -60,9 +54,10 @@ class Replica(Protocol):
 class Averager:
     """One replica's outer optimizer. Subclasses exchange with the other replicas in `outer_step`."""
 
-    def __init__(self, ctx: NodeContext, replica: Replica, config: OuterConfig):
-        self.ctx, self.worker, self.config = ctx, replica, config
+    def __init__(self, ctx: NodeContext, replica: Replica):
         averaging, defense = ctx.run.averaging, ctx.run.defense
+        self.ctx, self.worker = ctx, replica
+        self.config = self.outer_config(averaging, replica.stage)
         self.timeout_s = averaging.exchange_timeout_s
         self.state = OuterState.from_module(replica.module)
         self.epoch = 0  # outer epochs finished
@@ -71,6 +66,16 @@ class Averager:
         self.exchange_s: list[float] = []  # wall time of each exchange
         self.robust, self.tolerance, self.window = defense.robust_outer, defense.outer_tolerance, defense.outer_window
         self.history = OuterHistory()  # the robust outer step's memory (shoal/train/robust.py)
+
+    @classmethod
+    def method_config(cls, averaging: AveragingConfig) -> OuterConfig:
+        """This method's outer step, with the run's hyper-parameters."""
+        raise NotImplementedError
+
+    @classmethod
+    def outer_config(cls, averaging: AveragingConfig, stage: int) -> OuterConfig:
+        """The outer step this method takes on `stage`."""
+        return stage_outer_config(cls.method_config(averaging), averaging, stage)
 
     async def start(self) -> None:
         """Start what the exchange needs beside the node's streams."""

@@ -22,12 +22,13 @@ from contextlib import contextmanager, suppress
 
 import torch
 
+from shoal.config import AveragingConfig
 from shoal.device import float64
-from shoal.node.averaging.base import Averager, Replica, outer_codec_name, outer_config
+from shoal.node.averaging.base import Averager, Replica, outer_codec_name
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.planning.swarm_view import SwarmView
-from shoal.train.outer import diloco_step, load_slow_weights, local_step, pseudo_gradient
+from shoal.train.outer import OuterConfig, diloco_step, load_slow_weights, local_step, pseudo_gradient
 from shoal.train.robust import norm, remember, screen_mean
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,13 @@ SENIOR_WAIT_S = 60.0  # how long a replica looks for the others before averaging
 
 
 class DiLoCoAverager(Averager):
+    @classmethod
+    def method_config(cls, averaging: AveragingConfig) -> OuterConfig:
+        return OuterConfig.diloco(alpha=averaging.alpha, beta=averaging.beta, inner_steps=averaging.inner_steps)
+
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
-        super().__init__(ctx, replica, outer_config(averaging, replica.stage))
+        super().__init__(ctx, replica)
         self.dht = None
         self.averager = None
         self._maddrs: list[str] = []

@@ -27,9 +27,10 @@ import time
 
 import torch
 
+from shoal.config import AveragingConfig
 from shoal.device import float64
 from shoal.logs import printable
-from shoal.node.averaging.base import Averager, Replica, outer_codec_name, outer_config
+from shoal.node.averaging.base import Averager, Replica, outer_codec_name
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import OuterStep
@@ -39,6 +40,7 @@ from shoal.protocol.pipeline import Ack, GossipAccept, GossipRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.audit import refused_by_partners
 from shoal.train.outer import (
+    OuterConfig,
     check_partner_tensors,
     load_slow_weights,
     local_step,
@@ -94,9 +96,15 @@ def _wire_dtype(piece: torch.Tensor) -> str:
 
 
 class NoLoCoAverager(Averager):
+    @classmethod
+    def method_config(cls, averaging: AveragingConfig) -> OuterConfig:
+        return OuterConfig.noloco(
+            alpha=averaging.alpha, beta=averaging.beta, gamma=averaging.gamma, inner_steps=averaging.inner_steps
+        )
+
     def __init__(self, ctx: NodeContext, replica: Replica):
         averaging = ctx.run.averaging
-        super().__init__(ctx, replica, outer_config(averaging, replica.stage))
+        super().__init__(ctx, replica)
         self.codec = OuterCodec(outer_codec_name(averaging, replica.stage), averaging.topk_fraction)
         self.error: list[torch.Tensor] | None = None  # what our compressed Δs left out (outer_codec.py)
         self.bytes_sent = 0  # outer-exchange bytes this replica sent

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from shoal.dht.swarm import SwarmDHT
     from shoal.model.hf import check_export_target, export_checkpoint
     from shoal.node.config import NodeConfig, RunChoice
-    from shoal.node.daemon import resolve_run, run_checkpoint
+    from shoal.node.run_source import resolve_run, run_checkpoint
 
     network = client_network(args)
     if args.timeout <= 0:

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from shoal.dht.identity import load_identity
     from shoal.dht.swarm import SwarmDHT
     from shoal.node.config import NodeConfig, RunChoice
-    from shoal.node.daemon import resolve_run
+    from shoal.node.run_source import resolve_run
 
     network = client_network(args)
     lookup = NodeConfig(network=network, run=RunChoice(run_name=args.run, run_config_path=args.run_config))

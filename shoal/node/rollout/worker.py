@@ -30,6 +30,7 @@ from shoal.config import GRPORunConfig
 from shoal.dht.records import MAX_EXCLUDED
 from shoal.grpo.defenses import DefenseConfig, LengthMemory, Strikes
 from shoal.grpo.evaluate import accuracy, heldout_prompts
+from shoal.grpo.loss import GRPOConfig
 from shoal.grpo.policy import PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, rollout_limits
 from shoal.grpo.tasks import Prompt, get_task, task_seed
@@ -43,7 +44,6 @@ from shoal.planning.observed import Trip
 from shoal.planning.swarm_view import SwarmView
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.rollout import BadRollout, RolloutBundle, validate_bundle
-from shoal.grpo.loss import GRPOConfig
 
 logger = logging.getLogger(__name__)
 

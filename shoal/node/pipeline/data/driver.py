@@ -20,7 +20,6 @@ import torch
 from shoal.device import to_device, to_host
 from shoal.errors import UsageError
 from shoal.logs import printable
-from shoal.train.data import BatchSampler, load_token_splits, validation_batches
 from shoal.model.hf import initial_stage
 from shoal.model.split_backward import WeightGrads
 from shoal.node.averaging.base import Averager
@@ -36,7 +35,6 @@ from shoal.node.engine import (
     outer_state_of,
     restore_trained,
 )
-from shoal.p2p.transport import FramedStream, call, pooled_call
 from shoal.node.pipeline.data.auditor import Auditor
 from shoal.node.pipeline.data.gradients import GradientExchange
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
@@ -53,6 +51,7 @@ from shoal.node.pipeline.hops import (
 )
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import recover_stage0
+from shoal.p2p.transport import FramedStream, call, pooled_call
 from shoal.planning.observed import Trip
 from shoal.planning.peer_router import Routed
 from shoal.planning.swarm_view import SwarmView
@@ -71,6 +70,7 @@ from shoal.protocol.pipeline import (
     StepClose,
     check_hop,
 )
+from shoal.train.data import BatchSampler, load_token_splits, validation_batches
 from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
