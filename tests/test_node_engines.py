@@ -138,7 +138,7 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
             driver.optimizer.step()
             state = await driver.state_dict()
             await resumed.load_state_dict(state)
-            assert resumed.first_step == 1 and resumed.progress().inner_step == 1
+            assert resumed.steps.first_step == 1 and resumed.progress().inner_step == 1
             assert set(driver.handlers()) == {
                 "forward",
                 "backward",

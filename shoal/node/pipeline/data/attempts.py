@@ -43,6 +43,8 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Ending:
+    """How an attempt ended, and why."""
+
     outcome: Outcome
     reason: AbandonReason = AbandonReason.OTHER  # why it did not complete
     detail: str = ""  # the same in words, for the log and the progress file

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 class DataDriver(PipelineEngine):
+    """The parts below get the hop layer they send through (`self`, as a PipelineEngine) and the
+    narrow state they share, never the driver: each owns its protocol's state."""
+
     def __init__(self, ctx: NodeContext, shard: int = 0, num_shards: int = 1, progress_path: str | None = None):
         super().__init__(ctx)
         run = self.run
@@ -66,11 +69,13 @@ class DataDriver(PipelineEngine):
         self.exclusions = Exclusions(ctx, self.progress_file, lambda: self.steps.current_step)
         self.routes = DataRoutes(ctx, self.banned, self.exclusions.peers)
         self.step_audits = StepAuditor(ctx, self.compute, self.spawn, self.exclusions)  # replays of an inner step
-        self.attempts = Attempts(ctx, self, self.head, self.routes, self.ledger, self.exclusions.peers,
-                                 self.step_audits.note_completed)  # fmt: skip
+        self.attempts = Attempts(
+            ctx, self, self.head, self.routes, self.ledger, self.exclusions.peers, self.step_audits.note_completed
+        )
         self.recovery = Recovery(ctx, self, self.attempts, self.ledger, self.banned)
-        self.answers = MicrobatchAnswers(ctx, self, self.head, self.attempts, self.recovery,
-                                         self.step_audits.note_output)  # fmt: skip
+        self.answers = MicrobatchAnswers(
+            ctx, self, self.head, self.attempts, self.recovery, self.step_audits.note_output
+        )
         self.closes = StepCloses(ctx, self.streams, self.spawn)
         self.captures = Captures(ctx, self, self.head, self.attempts.in_flight)
         self.auditor = Auditor(ctx, self.captures, self.exclusions, self.banned, self.closes.taken)
@@ -102,11 +107,6 @@ class DataDriver(PipelineEngine):
     @property
     def busy(self) -> bool:
         return bool(self.attempts.in_flight)
-
-    @property
-    def first_step(self) -> int:
-        """Where training goes on from: the steps before it are done (a resumed save, or a copy)."""
-        return self.steps.first_step
 
     async def start(self) -> None:
         """Load and tokenize this node's data (on the compute thread): training starts with `work`."""
