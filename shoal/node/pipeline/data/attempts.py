@@ -116,7 +116,8 @@ class Attempts:
             entry.done.set_result(ending)
 
     def note_route(self, entry: InFlight, route: tuple[Hop, ...]) -> None:
-        """The route as a hop delivered it, after any re-routing or redone hop."""
+        """The route as a hop delivered it, after any re-routing or redone hop; from home on, its peers
+        served this step (they hear its close)."""
         entry.route_peers = tuple(hop.peer_id for hop in route)
         if entry.backward is not None or entry.home:
             self.step_peers.update(entry.route_peers)
