@@ -82,8 +82,8 @@ def child(stage: str, path: str, text_field: str) -> dict:
     if stage == "whole":
         import torch
 
-        from shoal.train.data import run_tokenizer, split_tokens
         from shoal.model.documents import open_dataset
+        from shoal.train.data import run_tokenizer, split_tokens
 
         tokenizer = run_tokenizer(data, VOCAB)  # cached by the tokenizer stage: not timed in either arm
         started = time.monotonic()

@@ -38,12 +38,12 @@ from docs_section import write_section
 
 from shoal.grpo.defenses import LengthMemory
 from shoal.grpo.evaluate import accuracy, heldout_prompts
+from shoal.grpo.loss import MODES, GRPOConfig
 from shoal.grpo.policy import Policy, PolicySpec
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
 from shoal.grpo.tasks import get_task
 from shoal.grpo.warmup import cached_warm_up
 from shoal.model.corpus import cache_dir
-from shoal.grpo.loss import MODES, GRPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "grpo.json"

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from shoal.config import ConfigError, load_run_source
+from shoal.grpo.loss import GRPOConfig
 from shoal.grpo.policy import CheckpointPolicySpec, Policy, PolicySpec, check_policy_checkpoint
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
 from shoal.grpo.warmup import warm_up
 from shoal.model.checkpoint import read_checkpoint
-from shoal.grpo.loss import GRPOConfig
 from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.test_model_hf_import import VOCAB, write_checkpoint
 

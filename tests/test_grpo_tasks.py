@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shoal.grpo.loss import GRPOConfig
 from shoal.grpo.policy import Policy, PolicySpec, completion_logprobs
 from shoal.grpo.rollout import build_batch
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, rollout_limits, round_prompts
@@ -22,7 +23,6 @@ from shoal.grpo.tokenizer import EOS, PAD_ID, CharTokenizer
 from shoal.grpo.warmup import cached_warm_up, save_warm_up, warm_up, warm_up_stages
 from shoal.protocol import ProtocolError, decode, encode
 from shoal.protocol.rollout import BadRollout, Completion, RolloutBundle, validate_bundle
-from shoal.grpo.loss import GRPOConfig
 
 TASK = get_task("add2r")
 TINY = PolicySpec(d_model=16, n_layers=1, n_heads=2, warmup_steps=3, warmup_batch=8)

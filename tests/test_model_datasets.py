@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from shoal.config import ConfigError, DataConfig, load_run_source
-from shoal.model import data as data_module
 from shoal.model import documents
-from shoal.train.data import encode_lines, load_token_splits, run_tokenizer, split_tokens, with_local_data
 from shoal.model.documents import DataError, open_dataset
+from shoal.train import data as data_module
+from shoal.train.data import encode_lines, load_token_splits, run_tokenizer, split_tokens, with_local_data
 from tests.helpers.tiny import sample_text, tiny_run, write_tiny_run
 
 VOCAB = 300

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from shoal.train.data import load_token_splits, run_tokenizer
 from shoal.model.hf import ExportError, export_checkpoint, hf_tensors
+from shoal.train.data import load_token_splits, run_tokenizer
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.tiny import sample_text, tiny_run
 

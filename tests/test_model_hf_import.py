@@ -16,9 +16,9 @@ import torch
 
 from shoal.config import ConfigError, load_run_source
 from shoal.model.checkpoint import CheckpointError, verify
-from shoal.train.data import load_token_splits
 from shoal.model.hf import export_checkpoint
 from shoal.model.tokenizer import train_tokenizer
+from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.tiny import sample_text
 

@@ -20,6 +20,7 @@ from shoal.node.hooks import Hooks
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.rollout.worker import RolloutWorker
+from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.links import LinkMonitor
 from shoal.p2p.memory import MemoryNetwork
 from shoal.planning.peer_router import PeerRouter, Snapshot
@@ -73,6 +74,26 @@ def test_every_engine_provides_every_member_of_the_interface(engine_type) -> Non
         assert inspect.iscoroutinefunction(getattr(engine_type, name)), f"{engine_type.__name__}.{name}"
 
 
+def test_every_engine_names_its_handlers_by_their_declarations() -> None:
+    """A handler keyed by anything but an `EngineRpcs` declaration would never be found: refused, silently."""
+
+    async def main() -> None:
+        run = tiny_run()
+        engines = [DataDriver(context(run)), StageWorker(context(run), 1)]
+        try:
+            for engine in engines:
+                declared = set(EngineRpcs.rpcs().values())
+                assert engine.handlers() and set(engine.handlers()) <= declared, type(engine).__name__
+                for rpc, handler in engine.handlers().items():
+                    arity = len(inspect.signature(handler).parameters)
+                    assert arity == (3 if rpc.streamed else 2), f"{type(engine).__name__} {rpc.name}: {arity} args"
+        finally:
+            for engine in engines:
+                await engine.stop()
+
+    asyncio.run(main())
+
+
 def _one_inner_step(worker: StageWorker, seed: int) -> None:
     x = torch.randn(2, 8, worker.run.model.d_model, generator=torch.Generator().manual_seed(seed))
     worker.module(x).pow(2).mean().backward()
@@ -86,7 +107,13 @@ def test_a_stage_worker_reports_its_progress_and_its_state_loads_into_another_bi
         worker, other = StageWorker(context(run), 1), StageWorker(context(run), 1)
         try:
             assert worker.progress() == Progress()  # nothing trained yet: what a fresh record says
-            assert set(worker.handlers()) >= {"forward", "backward", "step_close", "gossip", "copy_stage"}
+            assert {rpc.name for rpc in worker.handlers()} >= {
+                "forward",
+                "backward",
+                "step_close",
+                "gossip",
+                "copy_stage",
+            }
             for seed in range(3):
                 _one_inner_step(worker, seed)
             progress = worker.progress()
@@ -139,8 +166,8 @@ def test_a_data_node_resumes_at_its_saved_step() -> None:
             driver.optimizer.step()
             state = await driver.state_dict()
             await resumed.load_state_dict(state)
-            assert resumed.first_step == 1 and resumed.progress().inner_step == 1
-            assert set(driver.handlers()) == {
+            assert resumed.steps.first_step == 1 and resumed.progress().inner_step == 1
+            assert {rpc.name for rpc in driver.handlers()} == {
                 "forward",
                 "backward",
                 "fetch_output",

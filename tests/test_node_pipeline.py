@@ -14,13 +14,13 @@ import torch
 from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
-from shoal.train.data import load_token_splits
 from shoal.node.pipeline.hops import step_close_patience_s
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.rpc import Rpc, StreamPool
 from shoal.p2p.streams import FramedStream, RemoteError, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
+from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.helpers.tiny import write_tiny_run

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from shoal.config import DataConfig
-from shoal.train.data import BatchSampler, load_token_splits, split_tokens, tokenize_text, validation_batches
 from shoal.model.tokenizer import cached_tokenizer, train_tokenizer
+from shoal.train.data import BatchSampler, load_token_splits, split_tokens, tokenize_text, validation_batches
 from tests.helpers.tiny import sample_text
 
 TEXT = sample_text(20000)

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.grpo.defenses import DefenseConfig, LengthMemory, group_length_penalised, judged_rewards, make_judge, screen
+from shoal.grpo.loss import GRPOConfig, LossStats, grpo_loss
 from shoal.grpo.policy import Policy, completion_logprobs
 from shoal.grpo.rollout import build_batch, to_bundle
 from shoal.grpo.sampling import sample
 from shoal.grpo.tasks import CORRECT_REWARD, Prompt, get_task
 from shoal.grpo.tokenizer import PolicyTokenizer
 from shoal.protocol.rollout import BadRollout, RolloutBundle, RolloutLimits, validate_bundle
-from shoal.grpo.loss import GRPOConfig, LossStats, grpo_loss
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shoal.device import DeviceError, choose_device
-    from shoal.train.data import load_token_splits
     from shoal.report import write_report
+    from shoal.train.data import load_token_splits
     from shoal.train.reference import ReferenceTrainer
 
     if args.threads is not None:
@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(path)
     if args.export:
-        from shoal.train.data import run_tokenizer
         from shoal.model.hf import export_checkpoint
+        from shoal.train.data import run_tokenizer
 
         tokenizer = run_tokenizer(run_config.data, run_config.model.vocab_size, tokenizer_file)
         out = export_checkpoint(args.export, run_config.model, trainer.head, trainer.blocks, tokenizer,

@@ -16,10 +16,10 @@ import torch
 from shoal.config import RunConfig
 from shoal.device import autocast, autocast_dtype, to_device
 from shoal.model.checkpoint import Checkpoint
-from shoal.train.data import BatchSampler, TokenSplits, validation_batches
 from shoal.model.hf import load_stage_weights
 from shoal.model.stages import build_all_stages, forward_route
 from shoal.protocol.torch_tensors import TORCH_DTYPES
+from shoal.train.data import BatchSampler, TokenSplits, validation_batches
 from shoal.train.inner import InnerOptimizer
 
 

@@ -13,10 +13,12 @@ import torch
 
 from shoal.errors import UsageError
 from shoal.node.compute import FORWARD
+from shoal.node.context import NodeContext
+from shoal.node.pipeline.data.captures import Captures
+from shoal.node.pipeline.data.routes import DataRoutes
 
 if TYPE_CHECKING:
     from shoal.config import RunConfig
-    from shoal.node.pipeline.data.driver import DataDriver
 
 MAX_PROBES = 4096
 TRIES = 3  # routes a probe microbatch is sent along before it counts as unanswered
@@ -47,25 +49,25 @@ def read_probes(path: str, run: RunConfig) -> tuple[torch.Tensor, torch.Tensor, 
     return tokens, positions, targets
 
 
-async def run_probes(driver: DataDriver, path: str) -> dict:
-    """The probes through the swarm's model as `driver` routes it: how many came home, how many hit."""
-    tokens, positions, targets = read_probes(path, driver.run)
-    size = driver.run.train.microbatch_size
-    slots = asyncio.Semaphore(driver.ctx.max_inflight)
+async def run_probes(path: str, ctx: NodeContext, routes: DataRoutes, captures: Captures) -> dict:
+    """The probes through the swarm's model as `routes` route it: how many came home, how many hit."""
+    tokens, positions, targets = read_probes(path, ctx.run)
+    size = ctx.run.train.microbatch_size
+    slots = asyncio.Semaphore(ctx.max_inflight)
 
     async def one(rows: torch.Tensor, at: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
         async with slots:
-            x = await driver.compute(driver.embed_eval, rows, priority=FORWARD)
+            x = await captures.embed(rows, priority=FORWARD)
             for _ in range(TRIES):
-                routed = await driver.routes.next(train=False)
+                routed = await routes.next(train=False)
                 if routed is None:
                     return None
                 try:
-                    y = await driver.forward_through(routed.hops, x, rows, "probe")
+                    y = await captures.forward_through(routed.hops, x, rows, "probe")
                 finally:
-                    driver.ctx.router.end(routed)
+                    ctx.router.end(routed)
                 if y is not None:
-                    top = await driver.compute(driver.top_predictions, y, rows, priority=FORWARD)  # (B, T)
+                    top = await captures.top_predictions(y, rows)  # (B, T)
                     return top[torch.arange(len(at)), at] == want
             return None
 

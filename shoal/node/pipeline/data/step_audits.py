@@ -17,7 +17,8 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 
@@ -25,6 +26,9 @@ from shoal.device import compute_kind
 from shoal.model.hf import initial_stage
 from shoal.model.stages import over_the_wire
 from shoal.node.compute import BACKGROUND
+from shoal.node.context import NodeContext
+from shoal.node.pipeline.data.attempts import InFlight
+from shoal.node.pipeline.data.exclusions import Exclusions
 from shoal.p2p.streams import read_reply
 from shoal.protocol.pipeline import Ack, StepTranscriptHeader, StepTranscriptRequest
 from shoal.protocol.tensors import TensorSpec
@@ -32,9 +36,6 @@ from shoal.protocol.torch_tensors import TORCH_DTYPES
 from shoal.train.inner import OptimizerState
 from shoal.train.outer import check_partner_tensors
 from shoal.train.step_audit import Known, StepTranscript, StepVerdict, judge_step, replay_step
-
-if TYPE_CHECKING:
-    from shoal.node.pipeline.data.driver import DataDriver, InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +52,27 @@ class ElsewhereComputed(Exception):
 
 
 class StepAuditor:
-    def __init__(self, driver: DataDriver):
-        self.driver, self.ctx, self.run = driver, driver.ctx, driver.run
+    """`compute`: runs a function on the engine's compute thread; `spawn`: keeps a background task so
+    shutdown can cancel it; `exclusions`: where a replica that fails goes."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        compute: Callable[..., Awaitable[Any]],
+        spawn: Callable[[Awaitable[Any], str], asyncio.Future],
+        exclusions: Exclusions,
+    ):
+        self.ctx, self.run, self.device = ctx, ctx.run, ctx.device
+        self.compute, self.spawn, self.exclusions = compute, spawn, exclusions
         self.rate = self.run.defense.step_audit_rate
         self.rng = random.Random(f"{self.run.run_id}:step-audit:{self.ctx.peer_id}")
-        self.wire_dtype = TORCH_DTYPES[driver.wire_dtype]
+        self.wire_dtype = TORCH_DTYPES[self.run.pipeline.wire_dtype]
         self.recording = False
         self.outputs: dict[str, torch.Tensor] = {}  # wire id -> the output that came home
         self.known: dict[str, dict[str, Known]] = {}  # replica -> wire id -> what we know of it there
         self.stages: dict[str, int] = {}  # replica -> its stage
         self.modules: dict[int, torch.nn.Module] = {}  # a stage's architecture, to replay on
-        self.compute = compute_kind(driver.device, self.ctx.compute_dtype)
+        self.compute_kind = compute_kind(self.device, self.ctx.compute_dtype)
         self.audits = self.passed = self.failed = self.inconclusive = self.elsewhere = 0
         self.discrepancies: list[float] = []
         self.audit_s: list[float] = []
@@ -97,14 +108,14 @@ class StepAuditor:
         """The step is over: audit one of its replicas once the workers have taken their inner step."""
         if not self.recording or not self.known:
             return
-        excluded = self.driver.auditor.excluded_peers()
+        excluded = self.exclusions.peers()
         candidates = sorted(p for p in self.known if p not in excluded)
         if not candidates:
             return
         peer = self.rng.choice(candidates)
         known, stage = self.known[peer], self.stages[peer]
         self.recording, self.outputs, self.known = False, {}, {}
-        self.driver.spawn(self._audit_safely(step, peer, stage, known, closing), f"step audit {step}")
+        self.spawn(self._audit_safely(step, peer, stage, known, closing), f"step audit {step}")
 
     async def _audit_safely(self, step: int, peer: str, stage: int, known: dict[str, Known], closing) -> None:
         try:
@@ -131,7 +142,7 @@ class StepAuditor:
                 await asyncio.sleep(PENDING_WAIT_S)
         # every microbatch of ours it took is in that one step: a worker steps only once each data node
         # whose gradient it holds has closed that gradient's step, and holds our next step until then
-        verdict: StepVerdict = await self.driver.compute(self._judge, module, transcript, known, priority=BACKGROUND)
+        verdict: StepVerdict = await self.compute(self._judge, module, transcript, known, priority=BACKGROUND)
         self.audits += 1
         self.audit_s.append(time.monotonic() - started)
         self.discrepancies.append(verdict.discrepancy)
@@ -141,7 +152,7 @@ class StepAuditor:
                         peer[-8:], stage, step, verdict.discrepancy)  # fmt: skip
             return
         self.failed += 1
-        self.driver.auditor.exclude(peer, f"step audit at step {step}: {verdict.reason}")
+        self.exclusions.exclude(peer, f"step audit at step {step}: {verdict.reason}")
 
     def _judge(self, module, transcript: StepTranscript, known: dict[str, Known]) -> StepVerdict:
         replayed = replay_step(module, self.run.optim, self.run.train.steps, transcript, self.wire_dtype)
@@ -151,7 +162,7 @@ class StepAuditor:
         if stage not in self.modules:
             run = self.run
             module = initial_stage(run.model, run.pipeline.stages, stage, run.train.seed, self.ctx.checkpoint)
-            self.modules[stage] = module.to(self.driver.device)
+            self.modules[stage] = module.to(self.device)
         return self.modules[stage]
 
     async def _fetch(self, peer: str, microbatch_id: str, module: torch.nn.Module) -> StepTranscript:
@@ -165,8 +176,9 @@ class StepAuditor:
             if not ack.accepted:
                 raise TranscriptPending(ack.reason) if ack.reason.startswith("pending") else RuntimeError(ack.reason)
             header = await read_reply(stream, StepTranscriptHeader)
-            if header.compute != self.compute:
-                raise ElsewhereComputed(f"its step ran as {header.compute or 'unknown'}, ours would as {self.compute}")
+            if header.compute != self.compute_kind:
+                theirs = header.compute or "unknown"
+                raise ElsewhereComputed(f"its step ran as {theirs}, ours would as {self.compute_kind}")
             counts = {len(header.adam_steps), header.tensors}
             if counts != {len(reference)} or not len(header.rows) == len(header.seq_lens) == len(header.microbatch_ids):
                 raise ValueError("a transcript whose counts do not match the stage")
@@ -196,14 +208,14 @@ class StepAuditor:
                               tuple(header.microbatch_ids), tuple(inputs), tuple(grads), tuple(token_ids))  # fmt: skip
 
     async def _read_tokens(self, stream, shape: tuple[int, int]) -> torch.Tensor:
-        ids = await stream.read_tensor(TensorSpec("int64", shape), torch.int64, max_bytes=math.prod(shape) * 8)
+        ids = await stream.read_exact(TensorSpec("int64", shape), max_bytes=math.prod(shape) * 8)
         if ids.numel() and bool(((ids < 0) | (ids >= self.run.model.vocab_size)).any()):
             raise ValueError("a transcript's token ids outside the vocabulary")
-        return ids.to(self.driver.device)
+        return ids.to(self.device)
 
     async def _read(self, stream, shape: tuple[int, ...]) -> torch.Tensor:
         spec = TensorSpec("float32", shape)
-        return await stream.read_tensor(spec, max_bytes=math.prod(shape) * 4, device=self.driver.device)
+        return await stream.read_tensor(spec, max_bytes=math.prod(shape) * 4, device=self.device)
 
     def stats(self) -> dict:
         return {

@@ -34,10 +34,11 @@ from shoal.node.engine import GradNorms, Handler, Progress, Repair, TrainedState
 from shoal.node.pipeline.hops import WIRE_MAX_ABS, PipelineEngine, step_close_patience_s
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.backward import Backwarder
+from shoal.node.pipeline.worker.closes import StepCloses
 from shoal.node.pipeline.worker.forward import Forwarder
 from shoal.node.pipeline.worker.kept import KeptState
 from shoal.node.pipeline.worker.redo import Redo
-from shoal.node.pipeline.worker.step_clock import StepClock, StepCloses
+from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.stepper import Stepper
 from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.rpcs import EngineRpcs

@@ -7,23 +7,16 @@ and the latest of its steps whose gradient accumulated here since our last inner
 contributors). The inner step is due once every contributor has closed the step its gradient belongs
 to. A data node sends a step's forwards without waiting for its close of the step before to be
 answered, so a forward may overtake that close: it waits here for it. This module is the one place
-where a close is taken, and where contributors are counted.
+where contributors are counted and an inner step is found due; the `StepClose` handler that feeds
+it is closes.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from shoal.node.averaging.base import Averager
-from shoal.node.hooks import Hooks
-from shoal.protocol.pipeline import Ack, ForwardRequest, StepClose
-
-if TYPE_CHECKING:
-    from shoal.node.pipeline.worker.admission import Admission
-    from shoal.node.pipeline.worker.kept import KeptState
-    from shoal.node.pipeline.worker.stepper import Stepper
+from shoal.protocol.pipeline import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
@@ -135,65 +128,3 @@ class StepClock:
         """A data node restarted under the same peer id: its new process counts anew."""
         for clock in (self.heard, self.handled, self.contributors):
             clock.pop(origin, None)
-
-
-class StepCloses:
-    """The `StepClose` handler: who may close a step, a close sent again or overtaken, and what a close
-    ends: the graphs and gradients kept for its microbatches, the inner step it was due for, and every
-    H steps of the data node's clock an outer epoch (NoLoCo: averaging with a replica)."""
-
-    def __init__(
-        self,
-        clock: StepClock,
-        admission: Admission,
-        kept: KeptState,
-        stepper: Stepper,
-        averager: Averager | None,
-        hooks: Hooks,
-    ) -> None:
-        self.clock, self.admission, self.kept, self.stepper = clock, admission, kept, stepper
-        self.averager, self.hooks = averager, hooks
-
-    async def on_step_close(self, close: StepClose, sender: str) -> Ack:
-        """A data node's step is over. Step once every data node whose gradient we hold has closed the
-        step that gradient belongs to (with one data node: exactly at its step boundary; a close that
-        overtakes our own backward of its step counts when that backward is done). Every H steps of the
-        data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch.
-        Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
-        clock = self.clock
-        if not await self.admission.is_data_node(sender):
-            reason = self.admission.refuse(sender, f"step {close.step}", "not a data node of this run")
-            return Ack(accepted=False, reason=reason)
-        if clock.sent_again(sender, close.step):
-            return await self._close_again(close, sender)
-        await clock.mark_heard(sender, close.step)
-        try:
-            await self.hooks.on_close(close.step, clock.short_id)
-            if clock.overtaken(sender, close.step):
-                logger.info("[%s] the close of step %d comes after that of step %d: stale, nothing to do",
-                            clock.short_id, close.step, clock.handled[sender])  # fmt: skip
-                return Ack(accepted=True)
-            return await self._handle_close(close, sender)
-        finally:
-            await clock.mark_handled(sender, close.step)
-
-    async def _close_again(self, close: StepClose, sender: str) -> Ack:
-        """A close we are still handling is answered once handled, not handled twice at once. Once
-        handled, a close sent again is handled as any (it finds nothing left to step or average), which
-        is also right for a data node that restarted and redid that step before our view noticed."""
-        if not await self.clock.handled_in_time(sender, close.step):
-            return Ack(accepted=False, reason=f"the close of step {close.step} is still being handled")
-        return Ack(accepted=True)
-
-    async def _handle_close(self, close: StepClose, sender: str) -> Ack:
-        self.clock.closing(close.step)
-        over = self.kept.close(sender, close.step)
-        if over:
-            logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.clock.short_id,
-                        close.step, over)  # fmt: skip
-        if sender in self.clock.contributors:
-            await self.stepper.maybe_step()
-        epoch = self.averager.due(close.step) if self.averager is not None else None
-        if epoch is not None and not await self.stepper.outer_step(self.averager, epoch):
-            logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.clock.short_id, epoch)
-        return Ack(accepted=True)
