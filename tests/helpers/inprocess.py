@@ -1,0 +1,194 @@
+"""A swarm in one event loop: a data node and stage workers, the real engines, over `MemoryNetwork`.
+
+Every RPC goes as between daemons (framed messages, tensors, the receivers' checks), through the same
+`serve` a daemon runs; what is missing is libp2p, the DHT and the processes. The view every node reads
+is the harness's: it lists the members alive (less the peers a node suspects, as a daemon's view does),
+and every change reaches each node's router and engine as a heartbeat would bring it. `kill` is what a
+SIGKILL looks like from the other peers: the member's handlers stop, its streams break, it leaves the
+view. Faults are scripted with `network.before_open` (act when one node opens a stream to another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from shoal.config import RunConfig
+from shoal.device import autocast_dtype
+from shoal.model.stages import stage_layers
+from shoal.node.config import NodeConfig
+from shoal.node.context import NodeContext
+from shoal.node.engine import Engine
+from shoal.node.engines import node_hooks, routing_policy, run_cost_model
+from shoal.node.hooks import Hooks
+from shoal.node.pipeline.data.driver import DataDriver
+from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.links import LinkMonitor
+from shoal.p2p.memory import MemoryNetwork
+from shoal.p2p.rpc import serve
+from shoal.planning.peer_router import PeerRouter, Snapshot
+from shoal.planning.swarm_view import ROLE_DATA, ROLE_WORKER, STATE_ACTIVE, NodeInfo, SwarmView
+from shoal.protocol.pipeline import Ack
+from tests.helpers.tiny import sample_text
+
+BLOCK_THROUGHPUT = 50.0  # what every member claims: routing weighs them alike
+MAX_INFLIGHT = 8
+DATA = "QmDataNode0"
+
+
+def worker_id(stage: int, replica: int) -> str:
+    return f"QmWorker{stage}r{replica}"
+
+
+@dataclasses.dataclass
+class Member:
+    peer_id: str
+    stage: int
+    ctx: NodeContext
+    engine: Engine
+    started_at: float
+    alive: bool = True
+
+    @property
+    def role(self) -> str:
+        return ROLE_DATA if self.stage == 0 else ROLE_WORKER
+
+
+def corpus_run(tmp_path, run: RunConfig) -> RunConfig:
+    """`run` reading a corpus file written here: hermetic, as the multi-process tests' runs are."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(sample_text(30000))
+    return run.replace({"data.path": str(corpus)})
+
+
+class InProcessSwarm:
+    def __init__(
+        self,
+        run: RunConfig,
+        replicas: dict[int, int],
+        config: NodeConfig | None = None,
+        hooks: dict[str, Hooks] | None = None,
+    ):
+        """`replicas`: stage -> how many workers hold it (named `QmWorker{stage}r{replica}`; the data node
+        is `DATA`); `hooks`: a member's faults by name, where a test scripts them in the engine itself."""
+        self.run, self.replicas = run, replicas
+        self.config = config or NodeConfig()
+        self.hooks = hooks or {}
+        self.network = MemoryNetwork()
+        self.members: dict[str, Member] = {}
+        self.data: DataDriver | None = None
+        self._clock = 0.0
+
+    # ---- the members ---------------------------------------------------------------------------------
+
+    async def start(self, data_config: NodeConfig | None = None) -> DataDriver:
+        """Every worker (stage by stage, replica by replica), then the data node; returns the data node."""
+        for stage in range(1, self.run.pipeline.stages):
+            for replica in range(self.replicas.get(stage, 1)):
+                await self.add_worker(stage, worker_id(stage, replica))
+        ctx = self._context(DATA, data_config or self.config)
+        driver = DataDriver(ctx)
+        await driver.start()
+        await self._join(Member(DATA, 0, ctx, driver, self._started()))
+        self.data = driver
+        return driver
+
+    async def add_worker(self, stage: int, peer_id: str) -> StageWorker:
+        ctx = self._context(peer_id, self.config)
+        worker = StageWorker(ctx, stage)
+        await self._join(Member(peer_id, stage, ctx, worker, self._started()))
+        await worker.start()
+        return worker
+
+    async def kill(self, peer_id: str) -> None:
+        """SIGKILL, as its peers see it: nothing it held answers again, and it leaves every view."""
+        member = self.members[peer_id]
+        member.alive = False
+        self.network.kill(peer_id)
+        self._tell_views()
+        await member.engine.stop()
+
+    def kill_soon(self, peer_id: str) -> None:
+        """`kill` from inside a hook that cannot await (the kill lands before the stream opens)."""
+        member = self.members[peer_id]
+        member.alive = False
+        self.network.kill(peer_id)
+        self._tell_views()
+        asyncio.ensure_future(member.engine.stop())
+
+    async def close(self) -> None:
+        await asyncio.gather(*(m.engine.stop() for m in self.members.values() if m.alive), return_exceptions=True)
+
+    def workers(self, stage: int) -> list[str]:
+        return [m.peer_id for m in self.members.values() if m.stage == stage and m.alive]
+
+    def engine(self, peer_id: str) -> Engine:
+        return self.members[peer_id].engine
+
+    # ---- what every member sees ----------------------------------------------------------------------
+
+    def view(self, exclude: Iterable[str] = ()) -> SwarmView:
+        excluded = set(exclude)
+        nodes = tuple(self._record(m) for m in self.members.values() if m.alive and m.peer_id not in excluded)
+        stages = self.run.pipeline.stages
+        blocks = tuple(len(stage_layers(self.run.model.n_layers, stages, s)) for s in range(stages))
+        return SwarmView(self.run.run_id, self.run.pipeline.stages, blocks, nodes=nodes, taken_at=self._clock)
+
+    def _record(self, member: Member) -> NodeInfo:
+        progress = member.engine.progress()
+        return NodeInfo(member.peer_id, member.role, member.stage, STATE_ACTIVE, BLOCK_THROUGHPUT, MAX_INFLIGHT,
+                        inner_step=progress.inner_step, outer_epoch=progress.outer_epoch,
+                        started_at=member.started_at)  # fmt: skip
+
+    def _view_of(self, ctx: NodeContext) -> SwarmView:
+        return self.view(exclude=ctx.suspects.current())
+
+    def _tell_views(self) -> None:
+        for member in self.members.values():
+            if member.alive:
+                view = self._view_of(member.ctx)
+                member.ctx.router.update(Snapshot(view, member.peer_id))
+                member.engine.on_view(view)
+
+    async def _join(self, member: Member) -> None:
+        self.members[member.peer_id] = member
+        refuse = lambda rpc: Ack(accepted=False, reason=rpc.refusal)  # as the daemon answers
+        await serve(member.ctx.transport, EngineRpcs, member.engine.handlers, refuse=refuse,
+                    who=member.peer_id[-8:], heard=member.ctx.suspects.clear)  # fmt: skip
+        self._tell_views()
+
+    def _started(self) -> float:
+        self._clock += 1.0
+        return self._clock
+
+    def _context(self, peer_id: str, config: NodeConfig) -> NodeContext:
+        transport = self.network.transport(peer_id)
+        ctx: NodeContext
+
+        async def fresh_view() -> SwarmView:
+            return self._view_of(ctx)
+
+        async def publish() -> bool:
+            return True
+
+        ctx = NodeContext(
+            peer_id=peer_id,
+            run=self.run,
+            config=config,
+            transport=transport,
+            router=PeerRouter(routing_policy(config, self.run), run_cost_model(self.run), seed=peer_id),
+            links=LinkMonitor(transport, peer_id),
+            started_at=0.0,
+            max_inflight=MAX_INFLIGHT,
+            current_view=lambda: self._view_of(ctx),
+            read_view=fresh_view,
+            publish=publish,
+            hooks=self.hooks.get(peer_id) or node_hooks(config),
+            compute_dtype=autocast_dtype(torch.device("cpu"), self.run.pipeline.compute_dtype),
+        )
+        ctx.suspects.on_change = self._tell_views
+        return ctx

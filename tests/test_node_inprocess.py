@@ -1,0 +1,228 @@
+"""The pipeline's protocols in one process (tests/helpers/inprocess.py): the real engines and every
+byte of their RPCs, over the in-memory transport, with faults scripted at the moment one node opens a
+stream to another. What only real peers show (libp2p, the DHT, a process's death, the CLI) stays in
+the multi-process tests; the logic of a hop, its redo and a step's close is checked here, in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from shoal.node.config import ExperimentOptions, NodeConfig
+from shoal.node.hooks import Hooks
+from shoal.train.data import load_token_splits
+from shoal.train.reference import ReferenceTrainer
+from tests.helpers.inprocess import InProcessSwarm, corpus_run, worker_id
+from tests.helpers.tiny import tiny_run
+
+pytestmark = [pytest.mark.timeout(180)]
+PARITY_RUN = {"train.steps": 8, "averaging.mode": "none", "train.eval_every": 3}
+FAULT_RUN = {"train.steps": 6, "averaging.mode": "none", "defense.audit_rate": 0.0, "train.eval_every": 0}
+
+
+def train(swarm: InProcessSwarm, data_config: NodeConfig | None = None, during=None) -> dict:
+    """Start the swarm, train the run's steps (with `during(swarm)` beside them), stop it; the summary."""
+
+    async def main() -> dict:
+        driver = await swarm.start(data_config)
+        try:
+            work = asyncio.ensure_future(driver.work())
+            if during is not None:
+                await during(swarm)
+            return await asyncio.wait_for(work, 150)
+        finally:
+            await swarm.close()
+
+    return asyncio.run(main())
+
+
+def ledger(swarm: InProcessSwarm) -> dict:
+    assert swarm.data is not None
+    return swarm.data.ledger.summary()
+
+
+def delayed_closes(delay_s: float) -> NodeConfig:
+    return dataclasses.replace(NodeConfig(), experiment=ExperimentOptions(close_delay_s=delay_s))
+
+
+@pytest.mark.parametrize(
+    ("close_delay", "changed"),
+    [
+        (0.3, {}),
+        (0.0, {"pipeline.wire_dtype": "bfloat16"}),
+        (0.0, {"pipeline.wire_dtype": "int8"}),
+        (0.0, {"pipeline.compute_dtype": "bfloat16"}),
+        (0.0, {"pipeline.wire_dtype": "int8", "model.subspace_rank": 8}),
+    ],
+    ids=["closes-overtaken-by-forwards", "bfloat16-wire", "int8-wire", "bf16-autocast", "subspace-int8-wire"],
+)
+def test_the_swarm_in_one_process_matches_the_local_trainer_step_for_step(tmp_path, close_delay, changed) -> None:
+    """As tests/test_node_pipeline.py's parity test over real daemons (which keeps the plain float32
+    case): with every close delayed past the next step's forwards, the workers hold those forwards
+    until they have stepped; over a bfloat16 or int8 wire, under bf16 autocast and in a Subspace
+    Network's run the local trainer does as the peers do and the losses agree."""
+    run = corpus_run(tmp_path, tiny_run(**PARITY_RUN, **changed))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1})
+    done = train(swarm, delayed_closes(close_delay))
+    reference = ReferenceTrainer(run, load_token_splits(run.data, run.model.vocab_size)).train()
+    assert swarm.data is not None
+    swarm_losses = [r.loss for r in swarm.data.steps.history]
+    tolerance = 2e-3 if "pipeline.compute_dtype" in changed else 2e-4
+    assert swarm_losses == pytest.approx([r.loss for r in reference.history], rel=tolerance, abs=tolerance)
+    if changed:  # and a local trainer in float32 throughout would not have kept it
+        fp32 = dataclasses.replace(run.pipeline, wire_dtype="float32", compute_dtype="float32")
+        splits = load_token_splits(run.data, run.model.vocab_size)
+        plain = ReferenceTrainer(dataclasses.replace(run, pipeline=fp32), splits).train()
+        gap, plain_gap = (max(abs(a - r.loss) for a, r in zip(swarm_losses, h, strict=True))
+                          for h in (reference.history, plain.history))  # fmt: skip
+        assert plain_gap > 4 * gap, (gap, plain_gap)
+    assert done["val_loss"] == pytest.approx(reference.val_loss, rel=tolerance)
+    assert ledger(swarm)["microbatches_abandoned"] == 0
+    workers = [swarm.engine(p) for s in (1, 2) for p in swarm.workers(s)]
+    assert [w.progress().inner_step for w in workers] == [run.train.steps] * 2  # once per step, never twice
+    assert swarm_losses[-1] < swarm_losses[0]
+
+
+class Scripted(Hooks):
+    """A worker's faults, scripted in the engine itself: at the first forward of `crash_at_step` it
+    dies after taking it (as `--inject-crash-at-step`: acknowledged, never passed on), and at the first
+    gradient of `kill_upstream_at` it has the hop it passes the gradient to (and `also`) killed first."""
+
+    def __init__(self, swarm: InProcessSwarm, me: str, crash_at_step: int | None = None,
+                 kill_upstream_at: int | None = None, also: tuple[str, ...] = ()):  # fmt: skip
+        super().__init__()
+        self.swarm, self.me = swarm, me
+        self.crash_at_step, self.kill_upstream_at, self.also = crash_at_step, kill_upstream_at, also
+        self.killed: list[str] = []
+
+    def before_forward(self, step: int, short_id: str) -> None:
+        if self.crash_at_step is not None and step >= self.crash_at_step and self.swarm.members[self.me].alive:
+            for peer in (self.me, *self.also):
+                self.swarm.kill_soon(peer)
+                self.killed.append(peer)
+        if not self.swarm.members[self.me].alive:
+            raise asyncio.CancelledError  # gone: what it took dies with it
+
+    async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+        if step == self.kill_upstream_at and not self.killed and hop > 0:
+            for peer in (upstream, *self.also):
+                await self.swarm.kill(peer)
+                self.killed.append(peer)
+
+
+def random_routing() -> NodeConfig:
+    return dataclasses.replace(NodeConfig(), placement=dataclasses.replace(NodeConfig().placement, routing="random"))
+
+
+def _simulated_crash_in_forward() -> dict:
+    """The same fault in the simulator: one microbatch through a data node, a stage-1 node and one of
+    two stage-2 replicas, which crashes while it computes the microbatch's forward (3.2-5.2 s). The
+    sender notices after its failure timeout, and the forward resumes from the stage-1 node, which
+    kept its output (`shoal.sim.faults`: the nearest upstream holder)."""
+    import random
+
+    from shoal.planning.costs import CostModel
+    from shoal.planning.policy import make_policy
+    from shoal.planning.swarm import PlanNode, Swarm
+    from shoal.sim.engine import SimConfig, Simulator
+
+    cost = CostModel(activation_bytes=50, per_hop_overhead_s=0.05)
+    nodes = (PlanNode(0, 0, 0, 1.0, 1), PlanNode(1, 1, 1, 2.0, 1), PlanNode(2, 2, 1, 2.0, 1), PlanNode(3, 2, 1, 2.0, 1))
+    swarm = Swarm(nodes, 3, ((0.0, 0.1), (0.1, 0.0)), ((1e12, 100.0), (100.0, 1e12)))
+    for victim in (2, 3):  # the policy routes through one of the two; crash each in turn, keep the hit
+        config = SimConfig(microbatches=1, failure_timeout_s=5.0, scripted=((4.0, "crash", victim),))
+        sim = Simulator(swarm, cost, make_policy("gwtf", cost, random.Random(0)), config, random.Random(0))
+        result = sim.run()
+        if sim.stats["detected_losses"]:
+            return {"sent again": result.restarted, "resumed": sim.stats["detected_losses"],
+                    "abandoned": result.abandoned, "completed": result.completed}  # fmt: skip
+    raise AssertionError("neither crash hit the microbatch")
+
+
+def test_the_simulator_and_the_engines_resume_a_forward_lost_after_its_hop_took_it(tmp_path) -> None:
+    """A stage-2 replica takes a microbatch's activation and dies before passing it on: the data node
+    has the stage-1 hop, which kept its output, pass it on to the other stage-2 replica (the forward is
+    resumed there, not sent again), and nothing is lost; the simulator counts the same. Random replicas
+    everywhere, one microbatch a step: 12 steps miss the victim with probability 2^-12."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.steps": 12, "train.batch_size": 2}))
+    victim = worker_id(2, 0)
+    swarm = InProcessSwarm(run, {1: 1, 2: 2}, random_routing())
+    swarm.hooks[victim] = hooks = Scripted(swarm, victim, crash_at_step=0)
+    done = train(swarm)
+    assert hooks.killed == [victim]
+    assert done["steps"] == 12
+    summary = ledger(swarm)
+    real = {"sent again": summary["microbatches_resent"], "resumed": summary["microbatches_resumed"],
+            "abandoned": summary["microbatches_abandoned"], "completed": 1}  # fmt: skip
+    assert real == _simulated_crash_in_forward() == {"sent again": 0, "resumed": 1, "abandoned": 0, "completed": 1}
+    assert swarm.engine(worker_id(1, 0)).stats()["forwards_resumed"] == 1
+
+
+def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else_is(tmp_path) -> None:
+    """Stage 2 is about to pass step 3's gradient to the stage-1 replica that holds the microbatch's
+    graph, and that replica dies: stage 2 has the other stage-1 replica redo only that hop, from the
+    input the data node kept, and the backward goes on; no forward is sent again."""
+    run = corpus_run(tmp_path, tiny_run(**FAULT_RUN))
+    holder = worker_id(2, 0)
+    swarm = InProcessSwarm(run, {1: 2, 2: 1}, random_routing())
+    swarm.hooks[holder] = hooks = Scripted(swarm, holder, kill_upstream_at=3)
+    done = train(swarm)
+    (victim,) = hooks.killed
+    (survivor,) = swarm.workers(1)
+    summary = ledger(swarm)
+    assert summary["microbatches_abandoned"] == 0, summary["abandoned_reasons"]
+    assert summary["microbatches_completed"] == summary["microbatches_injected"] and summary["microbatches_resent"] == 0
+    delegated = swarm.engine(holder).stats()["recomputes_delegated"]
+    assert delegated >= 1 and swarm.engine(survivor).stats()["recomputed"] == delegated
+    assert done["steps"] == run.train.steps
+
+
+def test_a_forward_whose_hop_and_the_hop_before_both_died_is_sent_again_and_nothing_is_lost(tmp_path) -> None:
+    """A stage-2 replica dies after taking a forward, and so does the stage-1 replica that kept its
+    input: there is nobody to resume from, so the data node sends the microbatch again, whole, through
+    the replicas left."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.steps": 8, "train.batch_size": 2}))
+    victim, upstream = worker_id(2, 0), worker_id(1, 0)
+    swarm = InProcessSwarm(run, {1: 2, 2: 2}, random_routing())
+    swarm.hooks[victim] = hooks = Scripted(swarm, victim, crash_at_step=0, also=(upstream,))
+    done = train(swarm)
+    assert hooks.killed == [victim, upstream]
+    summary = ledger(swarm)
+    assert summary["microbatches_abandoned"] == 0, summary["abandoned_reasons"]
+    assert summary["microbatches_completed"] == summary["microbatches_injected"]
+    assert summary["microbatches_resent"] >= 1
+    assert done["steps"] == run.train.steps
+
+
+def test_two_hops_of_one_path_lost_at_once_in_backward_end_in_the_ledger_with_a_reason(tmp_path) -> None:
+    """Stage 3 is about to pass a gradient upstream when the stage-2 and the stage-1 replicas of that
+    microbatch's path both die. Today the stage-2 redo asks the dead stage-1 hop for its input and the
+    microbatch is abandoned, with its reason, as is any other microbatch of that step through the same
+    two hops (the redo that walks further upstream, to the data node's own input, is the reliability
+    issue's): never lost silently, and the run trains on to its end."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "model.n_layers": 3, "pipeline.stages": 4}))
+    holder = worker_id(3, 0)
+    swarm = InProcessSwarm(run, {1: 2, 2: 2, 3: 1}, random_routing())
+    killed: list[str] = []
+
+    class KillThePath(Hooks):
+        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+            if step == 2 and not killed:
+                assert swarm.data is not None
+                path = swarm.data.attempts.in_flight[microbatch_id].route_peers  # (stage 1, stage 2, stage 3)
+                killed.extend(path[:2])
+                for peer in path[:2]:
+                    await swarm.kill(peer)
+
+    swarm.hooks[holder] = KillThePath()
+    done = train(swarm)
+    assert len(killed) == 2
+    summary = ledger(swarm)
+    assert summary["microbatches_completed"] + summary["microbatches_abandoned"] == summary["microbatches_injected"]
+    # the microbatch whose gradient was on its way, and any other of that step through the same two
+    abandoned = summary["microbatches_abandoned"]
+    assert abandoned >= 1 and summary["abandoned_reasons"] == {"recompute": abandoned}
+    assert all("input lost" in detail for detail in summary["abandoned_details"]), summary["abandoned_details"]
+    assert done["steps"] == run.train.steps
