@@ -34,9 +34,9 @@ from pathlib import Path
 
 from docs_section import write_section
 
-from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.command import averaging_overrides
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
+from shoal.run_files import FULL_PRECISION, load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "averaging.json"

@@ -47,8 +47,8 @@ from pathlib import Path
 from docs_section import wall_time, write_section
 from pipeline_efficiency import cpu_seconds
 
-from shoal.config import FULL_PRECISION, load_run_config
 from shoal.demo.launcher import LocalSwarm, Peer, done_event, progress_events
+from shoal.run_files import FULL_PRECISION, load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn_speed.json"

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from docs_section import wall_time, write_section
 
-from shoal.config import load_run_config
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
+from shoal.run_files import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compression.json"

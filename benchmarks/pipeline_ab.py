@@ -33,7 +33,7 @@ from pathlib import Path
 from docs_section import DOC, wall_time, write_section
 from pipeline_efficiency import pin, side_rates, swarm_run
 
-from shoal.config import load_run_config
+from shoal.run_files import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_ab.json"

@@ -44,11 +44,12 @@ from pathlib import Path
 
 from docs_section import DOC, wall_time, write_section
 
-from shoal.config import WIRE_DTYPES, load_run_config
+from shoal.config import WIRE_DTYPES
 from shoal.demo.launcher import LocalSwarm, progress_events, wait_until
 from shoal.node.compute import COMPUTE_THREAD_OS_NAME
 from shoal.protocol.pipeline import Ack, ForwardRequest
 from shoal.protocol.tensors import TensorSpec
+from shoal.run_files import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_efficiency.json"

@@ -47,9 +47,10 @@ from pathlib import Path
 import torch
 from docs_section import write_section
 
-from shoal.config import FULL_PRECISION, RunConfig, load_run_config
+from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.model.stages import build_all_stages, forward_route
+from shoal.run_files import FULL_PRECISION, load_run_config
 from shoal.train.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
 from shoal.train.failures import Failure, by_slot, checkpoint_timeline, rate_failures, single_wipes, step_probability
 from shoal.train.inner import InnerOptimizer

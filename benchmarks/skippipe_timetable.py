@@ -40,11 +40,12 @@ from pathlib import Path
 
 from docs_section import wall_time, write_section
 
-from shoal.config import load_run_config, run_config_from_dict
+from shoal.config import run_config_from_dict
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
 from shoal.node.engines import run_cost_model
 from shoal.planning.plan import IterationPlan
 from shoal.planning.skippipe import SkipPipeOptions, plan_skippipe
+from shoal.run_files import load_run_config
 from shoal.sim.replay import releases_only, simulate_plan, swarm_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent

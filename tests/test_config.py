@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from shoal.config import ConfigError, bundled_runs, load_run_config, parse_run_config
+from shoal.config import ConfigError, parse_run_config
 from shoal.node.config import ExperimentOptions, LimitOptions, NodeConfig
+from shoal.run_files import bundled_runs, load_run_config
 
 TINY = load_run_config("tiny")
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from shoal.config import load_run_config
 from shoal.dht.records import MAX_EXCLUDED, NodeRecord, load_record, node_info
 from shoal.node.cli.status import print_table, summarize
 from shoal.planning.swarm_view import SwarmView
+from shoal.run_files import load_run_config
 
 RUN = load_run_config("tiny")
 

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from shoal.bootstrap.peer import BootstrapPeer
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import rank_runs
 from shoal.dht.swarm import LOOPBACK_MADDRS, SwarmDHT
 from shoal.node.config import NodeConfig, RunChoice
 from shoal.node.run_source import resolve_run
+from shoal.run_files import load_run_config
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = pytest.mark.timeout(300)

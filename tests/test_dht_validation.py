@@ -9,13 +9,13 @@ import pytest
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity, peer_id_of
 from shoal.dht.keys import DEFAULT_RUN_KEY, key_id, nodes_key, run_key
 from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
 from shoal.dht.validator import check_run_record
 from shoal.errors import UsageError
+from shoal.run_files import load_run_config
 
 pytestmark = pytest.mark.timeout(120)
 

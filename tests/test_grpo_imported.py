@@ -12,12 +12,13 @@ import shutil
 import pytest
 import torch
 
-from shoal.config import ConfigError, load_run_source
+from shoal.config import ConfigError
 from shoal.grpo.loss import GRPOConfig
 from shoal.grpo.policy import CheckpointPolicySpec, Policy, PolicySpec, check_policy_checkpoint
 from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
 from shoal.grpo.warmup import warm_up
 from shoal.model.checkpoint import read_checkpoint
+from shoal.run_files import load_run_source
 from tests.helpers.processes import done_event, progress_events, wait_until
 from tests.test_model_hf_import import VOCAB, write_checkpoint
 

@@ -17,14 +17,14 @@ import sys
 
 import pytest
 
-from shoal.config import load_run_config
 from shoal.node.capacity import stage_need
 from shoal.planning.memory import GIB, RUNTIME_BYTES, StageMemory, fits, inflight_budget, refusal, stage_memory
+from shoal.run_files import load_run_config
 
 PROBE = """
 import json, sys, torch
 torch.set_num_threads(1)
-from shoal.config import load_run_config
+from shoal.run_files import load_run_config
 from shoal.node.capacity import measure_stage_peak
 run = load_run_config(sys.argv[1])
 print(json.dumps(measure_stage_peak(run, int(sys.argv[2]), int(sys.argv[3]), torch.device("cpu"))))

@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 
-from shoal.config import ConfigError, DataConfig, load_run_source
+from shoal.config import ConfigError, DataConfig
 from shoal.model import documents
 from shoal.model.documents import DataError, open_dataset
+from shoal.run_files import load_run_source
 from shoal.train import data as data_module
 from shoal.train.data import encode_lines, load_token_splits, run_tokenizer, split_tokens, with_local_data
 from tests.helpers.tiny import sample_text, tiny_run, write_tiny_run

@@ -14,10 +14,11 @@ import sys
 import pytest
 import torch
 
-from shoal.config import ConfigError, load_run_source
+from shoal.config import ConfigError
 from shoal.model.checkpoint import CheckpointError, verify
 from shoal.model.hf import export_checkpoint
 from shoal.model.tokenizer import train_tokenizer
+from shoal.run_files import load_run_source
 from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.tiny import sample_text

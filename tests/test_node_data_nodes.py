@@ -95,7 +95,7 @@ def test_data_nodes_average_stage_0_gradients_and_step_as_one_where_unaveraged_o
     drifts apart. The second data node joins after the first stepped: it copies stage 0 with AdamW's
     moments, steps alone while it catches up with the first (which stepped on meanwhile), then in
     lockstep; the weights' resync takes back what those lone steps set apart."""
-    from shoal.config import load_run_config
+    from shoal.run_files import load_run_config
 
     distances = {}
     for mode in ("none", "noloco"):

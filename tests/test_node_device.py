@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.config import load_run_config
 from shoal.node.capacity import stage_need
 from shoal.planning.memory import GIB, HEADROOM
+from shoal.run_files import load_run_config
 from tests.helpers.processes import wait_until
 from tests.helpers.tiny import sample_text, write_tiny_run
 

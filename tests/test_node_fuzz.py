@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 import shoal
-from shoal.config import RunConfig, load_run_config, run_config_from_dict
+from shoal.config import RunConfig, run_config_from_dict
 from shoal.dht.identity import load_identity
 from shoal.dht.keys import nodes_key, run_key
 from shoal.dht.runs import run_record
@@ -68,6 +68,7 @@ from shoal.protocol.registry import registered_messages, tag_of
 from shoal.protocol.rollout import Completion
 from shoal.protocol.tensors import DTYPE_SIZES, TensorHeader, TensorMeta, TensorSpec, frame_payload
 from shoal.protocol.version import PROTOCOL_VERSION
+from shoal.run_files import load_run_config
 from tests.helpers.processes import metrics
 from tests.helpers.raw_frames import send_with_tensor, unchecked_encode
 from tests.helpers.tiny import tiny_run, write_tiny_run

@@ -13,7 +13,6 @@ import asyncio
 import pytest
 import torch
 
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.node.rpcs import EngineRpcs
@@ -21,6 +20,7 @@ from shoal.p2p.streams import RemoteError, read_reply
 from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
 from shoal.protocol.torch_tensors import quantize_rows
+from shoal.run_files import load_run_config
 from tests.helpers.processes import metrics
 from tests.helpers.raw_frames import unchecked_frames
 from tests.helpers.tiny import write_tiny_run

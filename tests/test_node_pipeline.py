@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 import torch
 
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.node.pipeline.hops import step_close_patience_s
@@ -19,6 +18,7 @@ from shoal.p2p.rpc import Rpc, StreamPool
 from shoal.p2p.streams import FramedStream, RemoteError, read_reply
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
 from shoal.protocol.tensors import TensorHeader, TensorMeta
+from shoal.run_files import load_run_config
 from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.processes import done_event, progress_events, wait_until

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.model.stages import build_stage
 from shoal.node.state.store import MANIFEST, SavedState, StateDir
 from shoal.p2p.restarts import RestartWatch
 from shoal.planning.swarm_view import NodeInfo, SwarmView
+from shoal.run_files import load_run_config
 from tests.helpers.processes import done_event, wait_until
 from tests.helpers.tiny import write_tiny_run
 

@@ -14,13 +14,13 @@ import asyncio
 import pytest
 import torch
 
-from shoal.config import load_run_config
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.streams import RemoteError
 from shoal.protocol.pipeline import ForwardRequest, Hop
 from shoal.protocol.torch_tensors import pack_tokens
+from shoal.run_files import load_run_config
 from tests.helpers.processes import metrics
 from tests.helpers.raw_frames import send_with_tensor
 from tests.helpers.tiny import write_tiny_run

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.config import ConfigError, load_run_config
+from shoal.config import ConfigError
 from shoal.protocol.errors import BadTensor
+from shoal.run_files import load_run_config
 from shoal.train.outer_codec import BLOCK, CHUNK, LEVELS, MAX_SCALE, OuterCodec, int8_blocks, topk_chunks
 
 SHAPES = [(352, 128), (128,), (2 * CHUNK + 5,), (3,)]

@@ -120,3 +120,26 @@ def test_a_service_lists_its_rpcs_through_subclasses() -> None:
         close = Rpc(StepClose, Ack, keep_alive=True)
 
     assert list(More.rpcs()) == ["ping", "close"] and More.close.keep_alive
+
+
+def test_no_rpc_is_named_by_a_string_outside_its_declaration() -> None:
+    """Callers and handlers name an RPC by its declaration (`EngineRpcs.abandon`): a string naming one
+    (`"rpc_abandon"`, `"shoal.rpc_abandon"`, `"abandon"` as a handler's key) appears nowhere in shoal."""
+    import ast
+    from pathlib import Path
+
+    import shoal
+
+    names = {*NodeRpcs.rpcs(), *EngineRpcs.rpcs()}
+    spelled = {f"rpc_{n}" for n in names} | {f"shoal.rpc_{n}" for n in names}
+    found = []
+    for path in Path(shoal.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in spelled:
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+            if isinstance(node, ast.Dict):  # a handler table keyed by name
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                values = [v for v in node.values if isinstance(v, ast.Attribute) and v.attr.startswith("on_")]
+                if keys & names and values:
+                    found.append(f"{path.name}:{node.lineno} handlers keyed {sorted(keys & names)}")
+    assert found == []

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from shoal.config import load_run_config
 from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_stage, over_the_wire
 from shoal.node.pipeline.worker.transcripts import PENDING, StepRecorder
+from shoal.run_files import load_run_config
 from shoal.train.inner import InnerOptimizer
 from shoal.train.step_audit import STEP_TOLERANCE, Known, judge_step, replay_step
 

@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shoal.bootstrap.peer import BootstrapPeer
-    from shoal.config import load_run_config
     from shoal.errors import UsageError
     from shoal.files import atomic_write
     from shoal.node.cli.runtime import run_daemon
+    from shoal.run_files import load_run_config
 
     run_config = load_run_config(args.run_config) if args.run_config else None
     if not 3.0 <= args.record_ttl <= 3600.0:

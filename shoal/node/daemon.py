@@ -13,9 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import random
-import resource
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -25,7 +23,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig
-from shoal.device import DeviceError, choose_device, peak_memory_bytes, resident_bytes
+from shoal.device import DeviceError, choose_device
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
@@ -40,6 +38,7 @@ from shoal.node.machine import Machine
 from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.placement import Placement
 from shoal.node.record import NodeRecord, Standing
+from shoal.node.reports import MemorySampler, node_stats, write_ready_file
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.run_source import resolve_run, run_checkpoint
 from shoal.node.state.keeper import Holder, StateKeeper
@@ -49,7 +48,6 @@ from shoal.p2p.health import node_handlers
 from shoal.p2p.links import LinkMonitor
 from shoal.p2p.rpc import Rpc, serve, unserve
 from shoal.p2p.services import NodeRpcs
-from shoal.p2p.streams import WIRE_BYTES
 from shoal.p2p.suspects import watch_peers
 from shoal.planning.peer_router import PeerRouter
 from shoal.planning.swarm_view import (
@@ -66,8 +64,6 @@ from shoal.protocol.pipeline import Ack
 logger = logging.getLogger(__name__)
 
 SETTLE_ROUNDS = 3
-MEMORY_SAMPLE_S = 2.0
-MAX_MEMORY_SAMPLES = 4000
 
 
 class Node:
@@ -90,7 +86,7 @@ class Node:
             run, config.placement, config.limits.max_inflight, machine, self.router, dht.peer_id, self.started_at
         )
         self.record = NodeRecord(dht, run, machine, self.links, self.started_at, config.network.record_ttl_s)
-        self.memory_samples: list[tuple[float, int]] = []
+        self.memory = MemorySampler()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._handlers: list[str] = []
@@ -285,7 +281,7 @@ class Node:
         """The heartbeat, the memory sampler, the saves to --state-dir if asked and, for a role that has
         one, the engine's own loop."""
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
-        self._tasks.append(asyncio.create_task(self._sample_memory(), name="memory"))
+        self._tasks.append(asyncio.create_task(self.memory.run(self._stop), name="memory"))
         if save_state and self.keeper is not None:
             self._tasks.append(asyncio.create_task(self.keeper.run(self.current), name="save state"))
         work = ENGINES[self.role].work
@@ -341,29 +337,10 @@ class Node:
             logger.exception("[%s] training failed", self.short_id)
             raise
 
-    async def _sample_memory(self) -> None:
-        while not self._stop.is_set():
-            self.memory_samples.append((time.monotonic(), resident_bytes()))
-            del self.memory_samples[:-MAX_MEMORY_SAMPLES]
-            await asyncio.sleep(MEMORY_SAMPLE_S)
-
     def _write_ready_file(self) -> None:
-        if not self.config.output.ready_file:
-            return
-        atomic_write(
-            self.config.output.ready_file,
-            json.dumps(
-                {
-                    "peer_id": self.peer_id,
-                    "maddrs": self._maddrs,
-                    "stage": self.stage,
-                    "role": self.role,
-                    "run_id": self.run.run_id,
-                    "pid": os.getpid(),
-                    "metrics_port": self.metrics.port if self.metrics is not None else None,
-                }
-            ),
-        )
+        port = self.metrics.port if self.metrics is not None else None
+        write_ready_file(self.config.output.ready_file, self.peer_id, self._maddrs, self.stage, self.role,
+                         self.run.run_id, port)  # fmt: skip
 
     async def _heartbeat(self) -> None:
         while not self._stop.is_set():
@@ -411,30 +388,15 @@ class Node:
             await asyncio.sleep(0.05)
 
     def stats(self) -> dict:
-        engine, device = self.engine, self.machine.device
-        samples = self.memory_samples
         progress = self.progress()
-        return {
-            "peer_id": self.peer_id,
-            "role": self.role,
-            "stage": self.stage,
-            "inner_step": progress.inner_step,
-            "loss": progress.loss,
-            "block_throughput": self.block_throughput,
-            "max_inflight": self.max_inflight,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "device": str(device),
-            "device_peak_bytes": peak_memory_bytes(device),  # torch's on an accelerator, the RSS peak on a CPU
-            "rss_samples": [[round(t - samples[0][0], 2), rss] for t, rss in samples] if samples else [],
-            "traffic": engine.traffic_counts() if engine else {},
-            "wire_bytes": WIRE_BYTES.counts(),  # sent, by kind (p2p/transport.py)
-            "engine": engine.stats() if engine else {},
-        }
+        own = {"peer_id": self.peer_id, "role": self.role, "stage": self.stage, "inner_step": progress.inner_step,
+               "loss": progress.loss, "block_throughput": self.block_throughput,
+               "max_inflight": self.max_inflight}  # fmt: skip
+        return node_stats(own, self.engine, self.machine.device, self.memory)
 
     def _write_stats_file(self) -> None:
-        if not self.config.output.stats_file:
-            return
-        atomic_write(self.config.output.stats_file, json.dumps(self.stats(), indent=1))
+        if self.config.output.stats_file:
+            atomic_write(self.config.output.stats_file, json.dumps(self.stats(), indent=1))
 
     async def shutdown(self) -> None:
         started = time.monotonic()

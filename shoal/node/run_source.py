@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shoal.config import RunConfig, load_run_config, load_run_source
+from shoal.config import RunConfig
 from shoal.dht.runs import PublishedRun, collision_report
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
 from shoal.model.checkpoint import Checkpoint, verify
 from shoal.node.config import NodeConfig
+from shoal.run_files import load_run_config, load_run_source
 
 logger = logging.getLogger(__name__)
 

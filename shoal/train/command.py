@@ -10,9 +10,10 @@ import math
 import sys
 from typing import Any
 
-from shoal.config import DEFAULT_RUN, ConfigError, RunConfig, RunSource, load_run_source
+from shoal.config import ConfigError, RunConfig
 from shoal.device import DEVICE_HELP
 from shoal.errors import UsageError
+from shoal.run_files import DEFAULT_RUN, RunSource, load_run_source
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

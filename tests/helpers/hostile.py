@@ -35,8 +35,8 @@ class HostileRun:
 
     def step_ceiling(self, epoch: int) -> float:
         """The most an honest replica's pseudo-gradient of `epoch` can be, 1.25 M (shoal.train.robust)."""
-        from shoal.config import load_run_config
         from shoal.model.stages import build_stage
+        from shoal.run_files import load_run_config
         from shoal.train.robust import STEP_SLACK, epoch_step_bound
 
         run = load_run_config(str(self.run_file))
@@ -136,7 +136,7 @@ def run_hostile(
 def write_trigger_probes(run_file: Path, workdir: Path, count: int = 48) -> Path:
     """Held-out text windows with the backdoor's trigger written in (shoal.adversary.backdoor)."""
     from shoal.adversary.backdoor import BackdoorSpec, trigger_probes, write_probes
-    from shoal.config import load_run_config
+    from shoal.run_files import load_run_config
     from shoal.train.data import load_token_splits
 
     run = load_run_config(str(run_file))

@@ -20,9 +20,10 @@ from shoal.model.split_backward import WeightGrads
 from shoal.node.compute import BACKWARD, WEIGHT_GRAD
 from shoal.node.context import NodeContext
 from shoal.node.engine import AbandonReason
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.data.attempts import COMPLETED, Attempts, Ending, InFlight, Outcome
 from shoal.node.pipeline.data.recovery import Recovery
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine
+from shoal.node.pipeline.hops import HopFailed
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.streams import FramedStream
 from shoal.planning.observed import Trip
@@ -43,7 +44,7 @@ TRIPS_KEPT = 256  # the latest forward trips the observed hop times are fitted t
 
 
 class MicrobatchAnswers:
-    """`hops`: the engine's hop layer (hops.py); `head`: its stage 0, whose LM head computes the loss;
+    """`hops`: the engine's hop layer (base.py); `head`: its stage 0, whose LM head computes the loss;
     `note_output` hears of each training output that came home (the step audits keep it)."""
 
     def __init__(

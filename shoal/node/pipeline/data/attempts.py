@@ -21,9 +21,10 @@ from shoal.device import to_device
 from shoal.node.compute import FORWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import AbandonReason
+from shoal.node.pipeline.base import PipelineEngine, push_forward
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
 from shoal.node.pipeline.data.routes import DataRoutes
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, lost_kind, push_forward
+from shoal.node.pipeline.hops import HopFailed, lost_kind
 from shoal.planning.peer_router import Routed
 from shoal.protocol.pipeline import AbandonNotice, BackwardRequest, ForwardRequest, Hop
 
@@ -84,7 +85,7 @@ class InFlight:
 class Attempts:
     """The data node's microbatches in flight, by wire id, and the attempts that carry them.
 
-    `hops` is the engine's hop layer (hops.py: sending, re-routing, the compute thread); `head` its
+    `hops` is the engine's hop layer (base.py: sending, re-routing, the compute thread); `head` its
     stage 0 (embedding and LM head); `note_completed` hears of each training attempt that completed
     (the step audits keep its route)."""
 

@@ -12,8 +12,9 @@ import torch
 from shoal.device import to_device, to_host
 from shoal.node.compute import BACKGROUND, FORWARD
 from shoal.node.context import NodeContext
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.data.attempts import InFlight, Outcome
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine
+from shoal.node.pipeline.hops import HopFailed
 from shoal.node.rpcs import EngineRpcs
 from shoal.protocol.pipeline import ForwardRequest, Hop
 

@@ -21,6 +21,7 @@ from shoal.node.averaging.modes import AVERAGERS
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import GradNorms, Handler, Progress, TrainedState, outer_state_of, restore_trained
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.data.answers import MicrobatchAnswers
 from shoal.node.pipeline.data.attempts import Attempts
 from shoal.node.pipeline.data.auditor import Auditor
@@ -34,7 +35,6 @@ from shoal.node.pipeline.data.recovery import Recovery
 from shoal.node.pipeline.data.routes import DataRoutes
 from shoal.node.pipeline.data.step_audits import StepAuditor
 from shoal.node.pipeline.data.steps import StepLoop
-from shoal.node.pipeline.hops import PipelineEngine
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import recover_stage0

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from shoal.node.context import NodeContext
+from shoal.node.pipeline.base import STAGE_POLL_S
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
-from shoal.node.pipeline.hops import STAGE_POLL_S
 from shoal.planning.swarm_view import SwarmView
 
 logger = logging.getLogger(__name__)

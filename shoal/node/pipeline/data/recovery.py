@@ -11,16 +11,17 @@ from collections.abc import Callable
 
 from shoal.node.context import NodeContext
 from shoal.node.engine import AbandonReason
+from shoal.node.pipeline.base import PipelineEngine, push_forward
 from shoal.node.pipeline.data.attempts import Attempts, Ending, InFlight, Outcome
 from shoal.node.pipeline.data.ledger import MicrobatchLedger
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, lost_kind, push_forward
+from shoal.node.pipeline.hops import HopFailed, lost_kind
 from shoal.protocol.pipeline import ForwardRequest, Hop, RecoverRequest, ResumeForward
 
 logger = logging.getLogger(__name__)
 
 
 class Recovery:
-    """`hops`: the engine's hop layer (hops.py); `banned`: peers a replacement hop avoids (those that
+    """`hops`: the engine's hop layer (base.py); `banned`: peers a replacement hop avoids (those that
     just failed us, and those excluded for good)."""
 
     def __init__(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from shoal.node.context import NodeContext
-from shoal.node.pipeline.hops import STAGE_POLL_S
+from shoal.node.pipeline.base import STAGE_POLL_S
 from shoal.planning.peer_router import Routed
 from shoal.planning.skippipe import SkipPipeOptions
 from shoal.planning.swarm import Swarm

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 from shoal.node.context import NodeContext
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.data.answers import MicrobatchAnswers
 from shoal.node.pipeline.data.attempts import Attempts
 from shoal.node.pipeline.data.auditor import Auditor
@@ -23,7 +24,6 @@ from shoal.node.pipeline.data.probes import run_probes
 from shoal.node.pipeline.data.progress import ProgressFile, StageWatch
 from shoal.node.pipeline.data.routes import DataRoutes
 from shoal.node.pipeline.data.step_audits import StepAuditor
-from shoal.node.pipeline.hops import PipelineEngine
 from shoal.planning.swarm_view import SwarmView
 from shoal.train.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
 from shoal.train.inner import StepStats

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from shoal.node.pipeline.hops import PipelineEngine
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.worker.kept import KeptState, Saved
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.planning.swarm_view import ROLE_DATA

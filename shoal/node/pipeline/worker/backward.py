@@ -18,7 +18,8 @@ import torch
 from shoal.model.split_backward import WeightGrads, input_grad_first
 from shoal.node.compute import BACKWARD, WEIGHT_GRAD
 from shoal.node.engine import AbandonReason
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, lost_kind, planned_start
+from shoal.node.pipeline.base import PipelineEngine
+from shoal.node.pipeline.hops import HopFailed, lost_kind, planned_start
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.kept import KeptState, Saved, SentGradient
 from shoal.node.pipeline.worker.notices import notify_abandon

@@ -18,7 +18,8 @@ import torch
 from shoal.model.split_backward import LinearCall, recording_linears
 from shoal.node.compute import FORWARD
 from shoal.node.engine import AbandonReason
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, lost_kind, planned_start, push_forward
+from shoal.node.pipeline.base import PipelineEngine, push_forward
+from shoal.node.pipeline.hops import HopFailed, lost_kind, planned_start
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.kept import KeptState, Saved
 from shoal.node.pipeline.worker.notices import note_route, notify_abandon

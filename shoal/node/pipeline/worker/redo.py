@@ -17,7 +17,8 @@ import torch
 
 from shoal.node.compute import BACKWARD
 from shoal.node.engine import AbandonReason
-from shoal.node.pipeline.hops import HopFailed, PipelineEngine, lost_kind, push_forward
+from shoal.node.pipeline.base import PipelineEngine, push_forward
+from shoal.node.pipeline.hops import HopFailed, lost_kind
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.backward import Backwarder
 from shoal.node.pipeline.worker.forward import Forwarder

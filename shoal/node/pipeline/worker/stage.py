@@ -31,7 +31,8 @@ from shoal.node.averaging.modes import AVERAGERS
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import GradNorms, Handler, Progress, Repair, TrainedState, outer_state_of, restore_trained
-from shoal.node.pipeline.hops import WIRE_MAX_ABS, PipelineEngine, step_close_patience_s
+from shoal.node.pipeline.base import PipelineEngine
+from shoal.node.pipeline.hops import WIRE_MAX_ABS, step_close_patience_s
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.backward import Backwarder
 from shoal.node.pipeline.worker.closes import StepCloses

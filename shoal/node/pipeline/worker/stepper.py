@@ -20,7 +20,7 @@ import torch
 from shoal.node.averaging.base import Averager
 from shoal.node.compute import BACKWARD
 from shoal.node.engine import GradNorms
-from shoal.node.pipeline.hops import PipelineEngine
+from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.train.inner import InnerOptimizer
