@@ -401,7 +401,7 @@ async def _measure_hops(server: dict) -> dict:
         microbatch_id="bench", origin=client.peer_id, step=0, hop=0, route=(Hop(stage=1, peer_id=server["peer_id"]),)
     )
 
-    pool = StreamPool(client.p2p)
+    pool = StreamPool(client.transport)
     kept: list = []  # the kept bare stream, opened by its first hop
 
     async def shoal_hop() -> dict:

@@ -73,7 +73,7 @@ def _stage_0_distance(entry: str, run, data_peers: list[str]) -> float:
             reference = [
                 p.detach() for p in build_stage(run.model, run.pipeline.stages, 0, run.train.seed).parameters()
             ]
-            return [(await fetch_stage(dht.p2p, peer, 0, reference, 30.0)).theta for peer in data_peers]
+            return [(await fetch_stage(dht.transport, peer, 0, reference, 30.0)).theta for peer in data_peers]
         finally:
             await dht.shutdown()
 
