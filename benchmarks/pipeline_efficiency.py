@@ -785,8 +785,11 @@ def main() -> int:
             "averaging.mode": args.averaging,
             "pipeline.wire_dtype": args.wire_dtype or run.pipeline.wire_dtype,
             # top-k outer exchanges are NoLoCo's: DiLoCo's all-reduce sends int8, no averaging sends nothing
-            **({"averaging.codec": "int8" if args.averaging == "diloco" else "float32"}
-               if args.averaging != "noloco" and run.averaging.codec == "topk" else {}),  # fmt: skip
+            **(
+                {"averaging.codec": "int8" if args.averaging == "diloco" else "float32"}
+                if args.averaging != "noloco" and run.averaging.codec == "topk"
+                else {}
+            ),
         }
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
