@@ -123,6 +123,22 @@ def test_the_remembered_length_bounds_a_group_that_only_a_stranger_answered_righ
     assert alone.tolist() == pytest.approx([fr, 0.0, 1.0, 1.0, 1.0])
 
 
+def test_a_group_the_node_answered_right_itself_sets_the_memory_aside_so_it_cannot_lock_in():
+    """The memory saw only sums under 100 (`85$`: 3 tokens). Group 0 is `99+99=`: the node's own right
+    `891$` (4 tokens) keeps its reward and a stranger's 4-token right answer beside it too, where
+    the memory alone would cut both (4 > 3 x 1.25) and the node would never learn a carry into a third
+    digit. Group 1's only right answer is a stranger's 5 tokens: the memory still cuts it."""
+    rewards = torch.tensor([1.0, 1.0, FORMAT_REWARD, 1.0])
+    lengths = torch.tensor([4, 4, 4, 5])
+    groups = torch.tensor([0, 0, 1, 1])
+    own = torch.tensor([True, False, True, False])
+    remembered = torch.tensor([3, 3, 3, 3])
+    out = group_length_penalised(rewards, lengths, groups, excess=0.25, remembered=remembered, own=own)
+    assert out.tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    locked = group_length_penalised(rewards, lengths, groups, excess=0.25, remembered=remembered)
+    assert locked.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0])
+
+
 def test_the_length_memory_keeps_a_window_per_prompt_length_and_reads_its_90th_percentile():
     memory = LengthMemory(window=10)
     memory.record([6] * 12, [100, 100] + [9] * 8 + [10, 10])  # the two 100s fall out of the window

@@ -150,7 +150,7 @@ def test_vertical_prompts_differ_per_peer_and_horizontal_ones_do_not():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_collaborative_grpo_across_daemons_lifts_heldout_accuracy(swarm, tmp_path, policy_cache):
-    run_file, run = _write_run(tmp_path, rounds=12, eval_every=4, lr=3e-4, round_deadline_s=4.0)
+    run_file, run = _write_run(tmp_path, rounds=24, eval_every=6, lr=3e-4, round_deadline_s=4.0)
     _, nodes, progress = _start_rollouts(swarm, tmp_path, policy_cache, 3, run_file)
     done = [wait_until(lambda p=p: done_event(p), 240, "the rollout workers to finish") for p in progress]
     for path, summary in zip(progress, done, strict=True):

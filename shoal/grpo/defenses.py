@@ -25,7 +25,9 @@ Each check is switched on or off by itself (`DefenseConfig`), so each can be mea
   a completion longer than `1 + length_excess` times its reference length earns nothing, right or
   wrong (`group_length_penalised`). The reference is the shortest correct completion in its group or
   the 90th percentile of the lengths of the node's own last `length_memory` rewarded right answers to
-  prompts of the same length (`LengthMemory`), whichever is shorter. Neither needs a canonical length, so the rule
+  prompts of the same length (`LengthMemory`), whichever is shorter; the memory is set aside in a
+  group where the node itself answered right (so a right answer longer than the ones remembered
+  can still earn, and be remembered). Neither needs a canonical length, so the rule
   holds on tasks where right answers vary in length. The memory is there because within one group a
   right answer that only the attacker wrote sets the bar itself (seen: with a weak policy and the
   group rule alone, padding reached 96 % of a node's completions); it learns only from the node's
@@ -211,11 +213,18 @@ def group_length_penalised(
     groups: torch.Tensor,
     excess: float,
     remembered: torch.Tensor | None = None,
+    own: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rewards (N,) with every completion longer than (1 + excess) x its reference length cut to zero,
     right or wrong. The reference is its group's shortest fully correct completion or, where given,
     `remembered` (N,): the length the node's own right answers to such prompts had (`LengthMemory`;
-    0 where it has none), whichever is shorter. A row with neither is left as is."""
+    0 where it has none), whichever is shorter. A row with neither is left as is.
+
+    `own` (N,) marks the rows the node wrote itself. A group holding one of the node's own right
+    answers sets the memory aside: that answer shows what a right answer to this prompt takes. Without
+    this the memory locks in: a node that had only been right on sums under 100 remembers 3 tokens,
+    cuts every right 4-token sum (4 > 3 x 1.25), never rewards one, so never remembers one (seen: a
+    node of three stuck at 19 % over 24 rounds while the other two reached 48 %)."""
     correct = rewards >= CORRECT_REWARD
     size = int(groups.max()) + 1 if len(groups) else 0
     unbounded = torch.iinfo(torch.long).max
@@ -223,7 +232,11 @@ def group_length_penalised(
     shortest = shortest.scatter_reduce(0, groups[correct], lengths[correct].long(), reduce="amin")
     reference = shortest[groups]
     if remembered is not None:
-        reference = torch.minimum(reference, remembered.long().masked_fill(remembered <= 0, unbounded))
+        bound = remembered.long().masked_fill(remembered <= 0, unbounded)
+        if own is not None:
+            answered = torch.zeros(size, dtype=torch.bool).index_fill(0, groups[correct & own], True)
+            bound = bound.masked_fill(answered[groups], unbounded)
+        reference = torch.minimum(reference, bound)
     return rewards.masked_fill(lengths.double() > reference.double() * (1.0 + excess), 0.0)
 
 

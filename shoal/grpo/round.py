@@ -180,7 +180,7 @@ def learn(
         remembered = memory.reference(prompt_lengths) if memory is not None else None
         earned = batch.rewards > 0
         batch.rewards = group_length_penalised(
-            batch.rewards, lengths, batch.groups, cfg.defense.length_excess, remembered
+            batch.rewards, lengths, batch.groups, cfg.defense.length_excess, remembered, own=~batch.foreign
         )
         length_cut = int((earned & (batch.rewards == 0)).sum())
         if memory is not None:
