@@ -44,7 +44,12 @@ def _plain(value: Any) -> Any:
 
 async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: Rpc, request: object, x: torch.Tensor) -> Ack:
     """One request and its float32 tensor on `rpc` of `peer_id`; the peer's Ack (a RemoteError raises)."""
-    stream = await client.transport.open(peer_id, rpc.protocol, timeout_s=10)
+    return await send_tensor_on(client.transport, peer_id, rpc, request, x)
+
+
+async def send_tensor_on(transport: Transport, peer_id: str, rpc: Rpc, request: object, x: torch.Tensor) -> Ack:
+    """`send_with_tensor` over any transport (the in-process tests' memory transport)."""
+    stream = await transport.open(peer_id, rpc.protocol, timeout_s=10)
     try:
         await stream.write_message(request)
         await stream.write_tensor(x, "float32")
