@@ -154,7 +154,10 @@ class PipelineEngine:
 
     def ban(self, peer_id: str, error: HopFailed | None = None) -> None:
         """Route around `peer_id` for a while; where the stream itself failed (not a peer that answered
-        no), suspect it node-wide at once (net/suspects.py)."""
+        no), suspect it node-wide at once (net/suspects.py). A node never bans or suspects itself: a
+        hop that named it twice failed on the route, not on us."""
+        if peer_id == self.ctx.peer_id:
+            return
         self.banned_until[peer_id] = time.monotonic() + FAILED_PEER_BAN_S
         if error is None or not error.refused:
             self.ctx.suspects.mark(peer_id, str(error) if error is not None else "reported lost by a peer")
@@ -198,7 +201,10 @@ class PipelineEngine:
 
         A stream that fails before the receiver answered is retried on the same peer (receivers
         treat a repeated microbatch as taken), so one broken stream between live peers costs a retry,
-        never a replica. A peer that answers "no" is not retried here."""
+        never a replica. A peer that answers "no" is not retried here. A node never sends a hop to
+        itself (libp2p cannot dial oneself): admission refuses a route that would make it."""
+        if peer_id == self.ctx.peer_id:
+            raise HopFailed(f"{rpc.name} addressed to this node itself", refused=True)
         for attempt in range(retries + 1):
             try:
                 return await self._send_once(peer_id, rpc, request, tensor)
@@ -246,6 +252,8 @@ class PipelineEngine:
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
+        if peer_id == self.ctx.peer_id:
+            raise HopFailed("an output asked of this node itself", refused=True)
         try:
             stream = await self.rpc.fetch_output.open(peer_id, timeout_s)
         except Exception as e:

@@ -1,5 +1,6 @@
 """Who may send a stage worker what. A hop is taken only where its route names this node and its
-stage; a forward only from the hop before ours; a gradient, or a recompute, only from the hop after
+stage, and only along a route a data node could have sent (route_problem); a forward only from the
+hop before ours; a gradient, or a recompute, only from the hop after
 ours, and a gradient only for the microbatch as we forwarded it, from the peer that took our output
 or a replica of its stage that redid that hop; a step close or a step audit only from a data node of
 this run. Every refusal is counted and said in one bounded log line.
@@ -8,14 +9,32 @@ this run. Every refusal is counted and said in one bounded log line.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.worker.kept import KeptState, Saved
 from shoal.node.pipeline.worker.step_clock import StepClock
+from shoal.planning.paths import swap_count
 from shoal.planning.swarm_view import ROLE_DATA
-from shoal.protocol.pipeline import BackwardRequest, ForwardRequest, RecomputeRequest, check_hop
+from shoal.protocol.pipeline import BackwardRequest, ForwardRequest, Hop, RecomputeRequest, check_hop
 
 logger = logging.getLogger(__name__)
+
+
+def route_problem(origin: str, route: Sequence[Hop], stages: int) -> str | None:
+    """Why no data node of a run of `stages` stages sends a microbatch along `route`, if none does: a
+    route names each peer once (its origin included: no hop is the data node, no node two hops, so no
+    node is ever asked to pass a hop to itself or to take one from itself), and visits block stages
+    1..stages-1, each at most once, ascending up to swaps of neighbours (SkipPipe, CheckFree+)."""
+    peers = [origin, *(hop.peer_id for hop in route)]
+    if len(set(peers)) < len(peers):
+        return "the route names one peer at two places"
+    order = [hop.stage for hop in route]
+    if any(not 1 <= s < stages for s in order):
+        return f"the route names a stage outside 1..{stages - 1}"
+    if len(set(order)) < len(order) or swap_count(order) is None:
+        return f"the route's stages {tuple(order)[:8]} are out of order"
+    return None
 
 
 class Admission:
@@ -33,7 +52,7 @@ class Admission:
         logger.warning("[%s] refused %s from %s: %s", self.ctx.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
-    def check_hop(self, request: ForwardRequest | BackwardRequest | RecomputeRequest) -> str | None:
+    def check_hop(self, request: ForwardRequest | BackwardRequest | RecomputeRequest, sender: str) -> str | None:
         """Why the hop a request names is not ours to take, if it is not."""
         check_hop(request)
         if request.hop < 0 or request.hop >= len(request.route):
@@ -41,17 +60,20 @@ class Admission:
         hop = request.route[request.hop]
         if hop.peer_id != self.ctx.peer_id or hop.stage != self.stage:
             return f"this node holds stage {self.stage}, not stage {hop.stage}"
+        problem = route_problem(request.origin, request.route, self.ctx.run.pipeline.stages)
+        if problem is not None:
+            return self.refuse(sender, request.microbatch_id, problem)
         return None
 
     def check_forward(self, request: ForwardRequest, sender: str) -> str | None:
-        refusal = self.check_hop(request)
+        refusal = self.check_hop(request, sender)
         previous = request.origin if request.hop == 0 else request.route[request.hop - 1].peer_id
         if refusal is None and sender != previous:
             refusal = self.refuse(sender, request.microbatch_id, "a forward comes only from the hop before ours")
         return refusal
 
     def check_recompute(self, request: RecomputeRequest, sender: str) -> str | None:
-        refusal = self.check_hop(request)
+        refusal = self.check_hop(request, sender)
         home = request.hop + 1 == len(request.route)
         if refusal is None and sender != (request.origin if home else request.route[request.hop + 1].peer_id):
             refusal = self.refuse(sender, request.microbatch_id, "a recompute comes only from the hop after")

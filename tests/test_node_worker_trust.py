@@ -1,0 +1,143 @@
+"""A live stage worker against a second identity that sends it hand-built requests (issue 58): routes
+that name the worker twice. None may take it out of its own view. In one process
+(tests/helpers/inprocess.py): the real engines and every byte of their RPCs, over the in-memory
+transport."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from shoal.node.config import NodeConfig
+from shoal.node.pipeline.worker.admission import route_problem
+from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.rpcs import EngineRpcs
+from shoal.p2p.rpc import serve
+from shoal.p2p.streams import FramedStream
+from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
+from shoal.protocol.tensors import TensorSpec
+from tests.helpers.inprocess import InProcessSwarm, corpus_run, worker_id
+from tests.helpers.raw_frames import send_tensor_on
+from tests.helpers.tiny import tiny_run
+
+pytestmark = [pytest.mark.timeout(180)]
+RUN = {"train.steps": 6, "averaging.mode": "none", "defense.audit_rate": 0.0, "train.eval_every": 0}
+STRANGER = "QmStranger"
+
+
+class Stranger:
+    """An identity on the swarm's network that no view lists: it sends what it likes, and takes what
+    comes back to it as a data node would (keeping nothing)."""
+
+    def __init__(self, swarm: InProcessSwarm):
+        self.transport = swarm.network.transport(STRANGER)
+        self.rpc = EngineRpcs(self.transport)
+        self.width = swarm.run.model.residual_dim
+        self.forwards_home = 0
+        self.gradients_home = 0
+
+    async def start(self) -> Stranger:
+        handlers = {EngineRpcs.forward: self._take_forward, EngineRpcs.backward: self._take_gradient}
+        await serve(self.transport, EngineRpcs, handlers, who="stranger")
+        return self
+
+    async def _take_forward(self, request: ForwardRequest, stream: FramedStream, sender: str) -> Ack:
+        await stream.read_tensor(TensorSpec("float32", (None, None, self.width)))
+        self.forwards_home += 1
+        return Ack(accepted=True)
+
+    async def _take_gradient(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:
+        await stream.read_tensor(TensorSpec("float32", (None, None, self.width)))
+        self.gradients_home += 1
+        return Ack(accepted=True)
+
+    async def send(self, peer: str, rpc, request: object) -> Ack:
+        return await send_tensor_on(self.transport, peer, rpc, request, torch.randn(2, 8, self.width))
+
+    async def microbatch(self, worker: str, step: int) -> None:
+        """One training microbatch through `worker` alone, forward and backward, as a data node sends it;
+        its step is never closed."""
+        route = (Hop(stage=1, peer_id=worker),)
+        forward = ForwardRequest(microbatch_id=f"stranger-{step}", origin=STRANGER, step=step, hop=0, route=route)
+        assert (await self.send(worker, EngineRpcs.forward, forward)).accepted
+        await until(lambda: self.forwards_home == 1, "the stranger's activation to come home")
+        backward = BackwardRequest(microbatch_id=forward.microbatch_id, origin=STRANGER, step=step, hop=0, route=route)
+        assert (await self.send(worker, EngineRpcs.backward, backward)).accepted
+        await until(lambda: self.gradients_home == 1, "the worker's gradient to reach the stranger")
+
+
+def routed_at_random() -> NodeConfig:
+    config = NodeConfig()
+    return dataclasses.replace(config, placement=dataclasses.replace(config.placement, routing="random"))
+
+
+async def until(predicate, what: str, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def worker(swarm: InProcessSwarm, stage: int) -> StageWorker:
+    engine = swarm.engine(worker_id(stage, 0))
+    assert isinstance(engine, StageWorker)
+    return engine
+
+
+def inner_steps(swarm: InProcessSwarm) -> list[int]:
+    return [worker(swarm, s).progress().inner_step for s in range(1, swarm.run.pipeline.stages)]
+
+
+def test_a_route_naming_the_worker_twice_is_refused_and_the_worker_stays_in_its_own_view(tmp_path) -> None:
+    """An evaluation forward whose route names the stage-1 worker at its first two hops would have it
+    pass its output to itself: a dial to oneself fails, and the worker suspected itself and left its
+    own view for good. The first hop now refuses the route, and the worker never suspects itself.
+    Routed as the bundled run routes (random replicas, NoLoCo's default): the route is followed as
+    written, where GWTF would pick the next hop itself."""
+    run = corpus_run(tmp_path, tiny_run(**RUN))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1}, routed_at_random())
+    stage1 = worker_id(1, 0)
+
+    async def main() -> Ack:
+        await swarm.start()
+        try:
+            stranger = await Stranger(swarm).start()
+            route = (Hop(stage=1, peer_id=stage1), Hop(stage=2, peer_id=stage1))
+            request = ForwardRequest(microbatch_id="twice", origin=STRANGER, step=-1, hop=0, route=route,
+                                     needs_backward=False)  # fmt: skip
+            ack = await stranger.send(stage1, EngineRpcs.forward, request)
+            await until(lambda: not worker(swarm, 1).forwarder.forwarding, "the forward to be over")
+            return ack
+        finally:
+            await swarm.close()
+
+    ack = asyncio.run(main())
+    assert not ack.accepted and ack.reason == "the route names one peer at two places"
+    ctx = swarm.members[stage1].ctx
+    assert stage1 not in ctx.suspects
+    view = ctx.view
+    assert view is not None and stage1 in {n.peer_id for n in view.replicas(1)}
+
+
+@pytest.mark.parametrize(
+    ("origin", "stages_peers", "problem"),
+    [
+        ("D", [(1, "A"), (2, "B"), (3, "C")], None),
+        ("D", [(2, "B"), (1, "A"), (3, "C")], None),  # neighbours swapped (CheckFree+, SkipPipe)
+        ("D", [(1, "A"), (3, "C")], None),  # a stage skipped (SkipPipe), or an audit's partial path
+        ("D", [(1, "A"), (2, "A")], "the route names one peer at two places"),
+        ("A", [(1, "A"), (2, "B")], "the route names one peer at two places"),  # the receiver as its sender
+        ("D", [(1, "A"), (2, "D")], "the route names one peer at two places"),  # the data node as a hop
+        ("D", [(3, "C"), (1, "A")], "the route's stages (3, 1) are out of order"),
+        ("D", [(1, "A"), (1, "B")], "the route's stages (1, 1) are out of order"),
+        ("D", [(0, "A")], "the route names a stage outside 1..3"),
+        ("D", [(4, "A")], "the route names a stage outside 1..3"),
+    ],
+)
+def test_a_route_is_taken_only_in_a_shape_a_data_node_sends(origin, stages_peers, problem) -> None:
+    route = tuple(Hop(stage=s, peer_id=p) for s, p in stages_peers)
+    assert route_problem(origin, route, stages=4) == problem
