@@ -1,7 +1,7 @@
-"""A live stage worker against a second identity that sends it hand-built requests (issue 58): routes
-that name the worker twice. None may take it out of its own view. In one process
-(tests/helpers/inprocess.py): the real engines and every byte of their RPCs, over the in-memory
-transport."""
+"""A live stage worker against a second identity that sends it hand-built requests (issue 58): step
+closes no data node could send, and routes that name the worker twice. None may move its clock, or
+take it out of its own view. In one process (tests/helpers/inprocess.py): the real engines
+and every byte of their RPCs, over the in-memory transport."""
 
 from __future__ import annotations
 
@@ -14,18 +14,20 @@ import torch
 from shoal.node.config import NodeConfig
 from shoal.node.pipeline.worker.admission import route_problem
 from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.pipeline.worker.step_window import STEP_HEADROOM
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.rpc import serve
 from shoal.p2p.streams import FramedStream
-from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop
+from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.tensors import TensorSpec
-from tests.helpers.inprocess import InProcessSwarm, corpus_run, worker_id
+from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, worker_id
 from tests.helpers.raw_frames import send_tensor_on
 from tests.helpers.tiny import tiny_run
 
 pytestmark = [pytest.mark.timeout(180)]
 RUN = {"train.steps": 6, "averaging.mode": "none", "defense.audit_rate": 0.0, "train.eval_every": 0}
 STRANGER = "QmStranger"
+INT64_MAX = 2**63 - 1
 
 
 class Stranger:
@@ -90,6 +92,55 @@ def worker(swarm: InProcessSwarm, stage: int) -> StageWorker:
 
 def inner_steps(swarm: InProcessSwarm) -> list[int]:
     return [worker(swarm, s).progress().inner_step for s in range(1, swarm.run.pipeline.stages)]
+
+
+def test_step_closes_no_listed_data_node_could_send_are_refused_and_change_nothing(tmp_path) -> None:
+    """The data node (listed) closes step 2^63-1, a step within the run but far past any it published,
+    and step -1; a stranger that has had one training microbatch taken closes its step, and step
+    2^63-1. Each is refused with its reason; the worker's step clock, inner step and schedule stay as
+    they were, and the record it would publish still passes the schema (it stays in the swarm). An
+    honest close of the data node's step 0 is still taken."""
+    run = corpus_run(tmp_path, tiny_run(**{**RUN, "train.steps": 1000}))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1})
+    stage1 = worker_id(1, 0)
+
+    async def main() -> dict[str, Ack]:
+        await swarm.start()
+        try:
+            stranger = await Stranger(swarm).start()
+            await stranger.microbatch(stage1, step=0)
+            senders = {DATA: EngineRpcs(swarm.members[DATA].ctx.transport), STRANGER: stranger.rpc}
+
+            async def close(sender: str, step: int) -> Ack:
+                return await senders[sender].step_close(stage1, StepClose(step=step, completed=1, abandoned=0))
+
+            acks = {
+                "data: 2^63-1": await close(DATA, INT64_MAX),
+                "data: far ahead": await close(DATA, 10 * STEP_HEADROOM),
+                "data: -1": await close(DATA, -1),
+                "stranger: its step": await close(STRANGER, 0),
+                "stranger: 2^63-1": await close(STRANGER, INT64_MAX),
+            }
+            w = worker(swarm, 1)
+            clock = (w.clock.heard, w.clock.handled, w.clock.closed_step, w.optimizer.step_count)
+            assert clock == ({}, {}, -1, 0), clock
+            assert swarm.published_record(stage1).inner_step == 0
+            acks["data: step 0"] = await close(DATA, 0)
+            return acks
+        finally:
+            await swarm.close()
+
+    acks = asyncio.run(main())
+    assert acks.pop("data: step 0").accepted
+    assert not any(ack.accepted for ack in acks.values()), acks
+    assert "beyond any this worker can vouch for" in acks["data: 2^63-1"].reason
+    assert "beyond any this worker can vouch for (at most 64)" in acks["data: far ahead"].reason
+    assert "below 0" in acks["data: -1"].reason
+    assert {acks[k].reason for k in ("stranger: its step", "stranger: 2^63-1")} == {
+        "not a listed data node of this run"
+    }
+    assert worker(swarm, 1).stats()["refused"] == 5
+    assert swarm.published_record(stage1).inner_step == 0
 
 
 def test_a_route_naming_the_worker_twice_is_refused_and_the_worker_stays_in_its_own_view(tmp_path) -> None:

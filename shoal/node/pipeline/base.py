@@ -146,6 +146,28 @@ class PipelineEngine:
             return False
         return self._lists(peer_id, stages)
 
+    async def read_view_after(self, since: float) -> bool:
+        """Make sure a view read that began at `since` (monotonic) or later is done; False if a read
+        failed. A peer that sent us something before that read began and is missing from it is not
+        listed. A read under way that began in time is shared; reads begin at most every
+        VIEW_READ_MIN_S, and a caller waits for its turn (`listed` answers "no" meanwhile instead)."""
+        while True:
+            read = self._view_read
+            if read is None or read.done():
+                if read is not None and self._view_read_at >= since:
+                    return not read.cancelled() and read.exception() is None
+                delay = self._view_read_at + VIEW_READ_MIN_S - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                    continue
+                self._view_read_at = time.monotonic()
+                read = self._view_read = asyncio.ensure_future(self.ctx.refresh_view())
+            try:
+                await asyncio.shield(read)
+            except Exception as e:
+                logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
+                return False
+
     def _lists(self, peer_id: str, stages: Collection[int] | None) -> bool:
         view = self.ctx.view
         return view is not None and any(

@@ -1,5 +1,6 @@
-"""A stage worker's `StepClose` handler: who may close a step, a close sent again or overtaken, and
-what a close ends (the state it keeps in step_clock.py)."""
+"""A stage worker's `StepClose` handler: who may close a step (a data node our view lists, for a step
+within the window step_window.py allows), a close sent again or overtaken, and what a close ends (the
+state it keeps in step_clock.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ class StepCloses:
         step that gradient belongs to (with one data node: exactly at its step boundary; a close that
         overtakes our own backward of its step counts when that backward is done). Every H steps of the
         data node's clock, average with a replica (NoLoCo) once our weights are final for the epoch.
-        Only a data node of this run keeps that clock: anyone else could force outer steps at will."""
+        Only a data node our view lists keeps that clock, and only within the window of steps we can
+        vouch for: anyone else could force outer steps at will, or push our inner step (and the record
+        that publishes it) off the schedule. A refused close changes nothing."""
         clock = self.clock
-        if not await self.admission.is_data_node(sender):
-            reason = self.admission.refuse(sender, f"step {close.step}", "not a data node of this run")
-            return Ack(accepted=False, reason=reason)
+        refusal = await self._refusal(close, sender)
+        if refusal is not None:
+            return Ack(accepted=False, reason=self.admission.refuse(sender, f"close of step {close.step}", refusal))
         if clock.sent_again(sender, close.step):
             return await self._close_again(close, sender)
         await clock.mark_heard(sender, close.step)
@@ -55,6 +58,13 @@ class StepCloses:
             return await self._handle_close(close, sender)
         finally:
             await clock.mark_handled(sender, close.step)
+
+    async def _refusal(self, close: StepClose, sender: str) -> str | None:
+        """Why `sender` may not close `close.step`, if it may not. A close of a step we handled already
+        is stale, and answered as such (`overtaken`); `completed` and `abandoned` are never read."""
+        if await self.admission.listed_data_node(sender) is None:
+            return "not a listed data node of this run"
+        return await self.admission.step_refusal(close.step)
 
     async def _close_again(self, close: StepClose, sender: str) -> Ack:
         """A close we are still handling is answered once handled, not handled twice at once. Once

@@ -4,8 +4,8 @@ Forward keeps the input and output of a training microbatch, with its graph, unt
 comes back (`Saved`). Backward keeps the gradient it passed upstream until the microbatch is over
 (`SentGradient`): if the hop before ours dies holding its graph, another replica of that stage redoes
 it from that gradient. Which forwards and backwards already ran is kept a while longer, so that a
-retried request is taken as done, and so is which data nodes we served. A microbatch is over when
-its data node gives it up, closes its step, restarts, or when what we keep of it expires.
+retried request is taken as done. A microbatch is over when its data node gives it up, closes its
+step, restarts, or when what we keep of it expires.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class KeptState:
         self.sent: dict[str, SentGradient] = {}
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
         self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
-        self.served: dict[str, float] = {}  # data node -> when to forget that we took its training forwards
         self.expired = 0
 
     def expiry(self) -> float:
@@ -69,10 +68,6 @@ class KeptState:
         """Whether we already ran this microbatch's forward (a retried stream whose ack was lost)."""
         mb = microbatch_id
         return mb in self.forwarded or mb in self.saved or mb in self.backward_done
-
-    def holds_from(self, origin: str) -> bool:
-        """Whether we keep a forward graph of a microbatch of data node `origin`."""
-        return any(s.origin == origin for s in self.saved.values())
 
     def drop(self, microbatch_id: str) -> None:
         """Forget a microbatch whose gradient will never come; a pending step may then proceed."""
@@ -119,7 +114,7 @@ class KeptState:
         for mb in stale:
             self.drop(mb)
         self.expired += len(stale)
-        for kept in (self.sent, self.backward_done, self.forwarded, self.served):
+        for kept in (self.sent, self.backward_done, self.forwarded):
             for mb in [mb for mb, v in kept.items() if (v if isinstance(v, float) else v.expires_at) < now]:
                 del kept[mb]
         return len(stale)

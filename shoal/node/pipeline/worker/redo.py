@@ -69,6 +69,8 @@ class Redo:
         grad = await stream.read_tensor(hops.activation_spec, max_bytes=hops.max_activation_bytes, device=hops.device)
         hops.check_activation(grad)
         tokens = hops.read_tokens(request.tokens, grad)
+        if refusal is None:
+            refusal = await self.admission.check_step(request, sender)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id

@@ -11,6 +11,7 @@ module, built here and handed only what it uses.
 - backward.py: the B/W-split backward and the gradient passed upstream;
 - redo.py: recompute, recover and resume of a lost hop;
 - step_clock.py: the data nodes' step closes and the contributors to our inner step;
+- step_window.py: which of a data node's steps a peer may name;
 - stepper.py: the inner and outer steps, never across a live forward graph;
 - notices.py: what a worker tells a data node unasked; transcripts.py: the step audit's records.
 
@@ -40,6 +41,7 @@ from shoal.node.pipeline.worker.forward import Forwarder
 from shoal.node.pipeline.worker.kept import KeptState
 from shoal.node.pipeline.worker.redo import Redo
 from shoal.node.pipeline.worker.step_clock import StepClock
+from shoal.node.pipeline.worker.step_window import StepWindow
 from shoal.node.pipeline.worker.stepper import Stepper
 from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.rpcs import EngineRpcs
@@ -79,7 +81,8 @@ class StageWorker(PipelineEngine):
         self.clock = StepClock(step_close_patience_s(run.averaging.exchange_timeout_s), ctx.short_id)
         self.stepper = Stepper(self, self.clock, self.module, lambda: self.optimizer, self.transcripts, self.grad_norms)
         self.kept = KeptState(ctx.config.limits, self.stepper.graph_dropped)
-        self.admission = Admission(self, stage, self.kept, self.clock)
+        window = StepWindow(ctx, self.clock, lambda: self.optimizer.step_count)
+        self.admission = Admission(self, stage, self.kept, window)
         self.forwarder = Forwarder(self, stage, self.module, self.admission, self.clock, self.stepper, self.kept)
         self.backwarder = Backwarder(
             self, self.module, self.admission, self.kept, self.clock, self.stepper, self.transcripts
@@ -154,8 +157,8 @@ class StageWorker(PipelineEngine):
 
     async def on_step_transcript(self, request: StepTranscriptRequest, stream: FramedStream, sender: str) -> None:
         """A data node audits the inner step that took one of its microbatches (shoal.train.step_audit)."""
-        if not await self.admission.is_data_node(sender):
-            reason = self.admission.refuse(sender, request.microbatch_id, "not a data node of this run")
+        if await self.admission.listed_data_node(sender) is None:
+            reason = self.admission.refuse(sender, request.microbatch_id, "not a listed data node of this run")
             await stream.write_message(Ack(accepted=False, reason=reason))
             return
         await self.transcripts.serve(request, stream)
