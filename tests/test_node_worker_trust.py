@@ -1,17 +1,20 @@
-"""A live stage worker against a second identity that sends it hand-built requests (issue 58): step
-closes no data node could send, and routes that name the worker twice. None may move its clock, or
-take it out of its own view. In one process (tests/helpers/inprocess.py): the real engines
+"""A live stage worker against a second identity that sends it hand-built requests (issue 58): a
+stranger's microbatch whose step it never closes, a data node killed mid-step, step closes no data
+node could send, and routes that name the worker twice. None may stop the worker's steps, move its
+clock, or take it out of its own view. In one process (tests/helpers/inprocess.py): the real engines
 and every byte of their RPCs, over the in-memory transport."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import pytest
 import torch
 
 from shoal.node.config import NodeConfig
+from shoal.node.hooks import Hooks
 from shoal.node.pipeline.worker.admission import route_problem
 from shoal.node.pipeline.worker.stage import StageWorker
 from shoal.node.pipeline.worker.step_window import STEP_HEADROOM
@@ -20,7 +23,7 @@ from shoal.p2p.rpc import serve
 from shoal.p2p.streams import FramedStream
 from shoal.protocol.pipeline import Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.tensors import TensorSpec
-from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, worker_id
+from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, data_id, worker_id
 from tests.helpers.raw_frames import send_tensor_on
 from tests.helpers.tiny import tiny_run
 
@@ -92,6 +95,67 @@ def worker(swarm: InProcessSwarm, stage: int) -> StageWorker:
 
 def inner_steps(swarm: InProcessSwarm) -> list[int]:
     return [worker(swarm, s).progress().inner_step for s in range(1, swarm.run.pipeline.stages)]
+
+
+def test_a_strangers_microbatch_whose_step_never_closes_does_not_stop_the_data_nodes_steps(tmp_path, caplog) -> None:
+    """A stranger sends the stage-1 worker a training forward and its backward, and never closes that
+    step. Both are taken (its gradient is kept, and goes into the next inner step), but the inner step
+    does not wait for the stranger's close: no view lists it as a data node, so the data node's first
+    close releases it, and the worker steps at every one of that data node's closes."""
+    run = corpus_run(tmp_path, tiny_run(**RUN))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1})
+
+    async def main() -> dict:
+        driver = await swarm.start()
+        try:
+            stranger = await Stranger(swarm).start()
+            await stranger.microbatch(worker_id(1, 0), step=0)
+            assert worker(swarm, 1).clock.awaited() == {STRANGER: 0}
+            return await asyncio.wait_for(driver.work(), 150)
+        finally:
+            await swarm.close()
+
+    with caplog.at_level(logging.WARNING):
+        done = asyncio.run(main())
+    assert done["steps"] == run.train.steps
+    assert inner_steps(swarm) == [run.train.steps] * 2
+    assert f"no longer waiting for {STRANGER[-8:]} to close step 0: not a live data node" in caplog.text
+
+
+def test_a_data_node_killed_after_contributing_to_a_step_does_not_stop_the_other_data_nodes_steps(tmp_path) -> None:
+    """Two data nodes train the swarm; the second is SIGKILLed once its step 1 has gone through every
+    worker (its gradient accumulated there) and before it closes that step. Its close never comes: the
+    workers stop waiting for it as soon as it leaves their view, and step at each of the first data
+    node's closes to the end of the run."""
+    run = corpus_run(tmp_path, tiny_run(**RUN))
+    victim = data_id(1)
+    swarm = InProcessSwarm(run, {1: 1, 2: 1}, data_nodes=2)
+    awaited_when_killed: list[int | None] = []  # per worker: the victim's step it waited for a close of
+
+    class KilledBeforeItsClose(Hooks):
+        async def before_close_sent(self) -> None:
+            if swarm.drivers[1].steps.current_step == 1 and not awaited_when_killed:
+                awaited_when_killed.extend(worker(swarm, s).clock.awaited().get(victim) for s in (1, 2))
+                swarm.kill_soon(victim)
+            if awaited_when_killed:
+                await asyncio.Event().wait()  # gone: the close is never sent (the node's stop cancels this)
+
+    swarm.hooks[victim] = KilledBeforeItsClose()
+
+    async def main() -> dict:
+        first = await swarm.start()
+        second = asyncio.ensure_future(swarm.drivers[1].work())
+        try:
+            return await asyncio.wait_for(first.work(), 150)
+        finally:
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+            await swarm.close()
+
+    done = asyncio.run(main())
+    assert awaited_when_killed == [1, 1]
+    assert done["steps"] == run.train.steps
+    assert inner_steps(swarm) == [run.train.steps] * 2
 
 
 def test_step_closes_no_listed_data_node_could_send_are_refused_and_change_nothing(tmp_path) -> None:

@@ -114,13 +114,16 @@ class PipelineEngine:
         if isinstance(task, asyncio.Task):
             task.set_name(name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda done: self._task_done(done, name))
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Future, name: str) -> None:
+        """A gather of tasks (a future, not a task) that shutdown cancelled ends with CancelledError as
+        its exception rather than cancelled: that is no failure either."""
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("[%s] %s failed: %r", self.ctx.short_id, task.get_name(), task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            logger.error("[%s] %s failed: %r", self.ctx.short_id, name, error)
 
     def banned(self) -> set[str]:
         now = time.monotonic()

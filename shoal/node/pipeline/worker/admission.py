@@ -132,3 +132,10 @@ class Admission:
         if found is None and await self.hops.read_view_after(time.monotonic()):
             found = self.data_node(peer_id)
         return found
+
+    async def unlisted(self, peer_id: str, since: float) -> bool:
+        """Whether a view read that began at `since` or later lists `peer_id` as no live data node
+        (False where no such read could be made: a peer is not given up on for a failed read)."""
+        if self.data_node(peer_id) is not None:
+            return False
+        return await self.hops.read_view_after(since) and self.data_node(peer_id) is None

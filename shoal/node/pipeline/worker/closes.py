@@ -12,6 +12,7 @@ from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.kept import KeptState
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.stepper import Stepper
+from shoal.node.pipeline.worker.waits import CloseWaits
 from shoal.protocol.pipeline import Ack, StepClose
 
 logger = logging.getLogger(__name__)
@@ -28,11 +29,12 @@ class StepCloses:
         admission: Admission,
         kept: KeptState,
         stepper: Stepper,
+        waits: CloseWaits,
         averager: Averager | None,
         hooks: Hooks,
     ) -> None:
         self.clock, self.admission, self.kept, self.stepper = clock, admission, kept, stepper
-        self.averager, self.hooks = averager, hooks
+        self.waits, self.averager, self.hooks = waits, averager, hooks
 
     async def on_step_close(self, close: StepClose, sender: str) -> Ack:
         """A data node's step is over. Step once every data node whose gradient we hold has closed the
@@ -80,8 +82,7 @@ class StepCloses:
         if over:
             logger.info("[%s] step %d closed: dropped %d graph(s) no gradient will reach", self.clock.short_id,
                         close.step, over)  # fmt: skip
-        if sender in self.clock.contributors:
-            await self.stepper.maybe_step()
+        await self.waits.settle()  # our inner step, once no contributor that can still close is owed one
         epoch = self.averager.due(close.step) if self.averager is not None else None
         if epoch is not None and not await self.stepper.outer_step(self.averager, epoch):
             logger.info("[%s] outer epoch %d waits: an inner step is still pending", self.clock.short_id, epoch)

@@ -5,7 +5,7 @@ comes back (`Saved`). Backward keeps the gradient it passed upstream until the m
 (`SentGradient`): if the hop before ours dies holding its graph, another replica of that stage redoes
 it from that gradient. Which forwards and backwards already ran is kept a while longer, so that a
 retried request is taken as done. A microbatch is over when its data node gives it up, closes its
-step, restarts, or when what we keep of it expires.
+step, restarts or leaves our view (waits.py), or when what we keep of it expires.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Saved:
     next_peer: str | None = None  # the peer that took it (set once it acknowledged)
     calls: list[LinearCall] = field(default_factory=list)  # the forward's Linear calls, for the B/W split
     tokens: bytes = b""  # the microbatch's token ids as they came (a Subspace Network's run)
+    taken_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -97,8 +98,9 @@ class KeptState:
         return Ack(accepted=True)
 
     def forget_origin(self, origin: str) -> int:
-        """A data node restarted under the same peer id (restarts.py): none of the microbatches its old
-        process injected will come back, so drop what we keep for them, as if each was abandoned."""
+        """A data node restarted under the same peer id (restarts.py) or is no live data node of the
+        run (waits.py): none of the microbatches it injected will come back, so drop what we keep for
+        them, as if each was abandoned; returns how many graphs were dropped."""
         stale = [mb for mb, s in self.saved.items() if s.origin == origin]
         for mb in stale:
             self.drop(mb)
