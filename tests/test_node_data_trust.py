@@ -1,0 +1,98 @@
+"""A live data node against hand-built messages from the hops of its own microbatches (issue 58): a
+route that comes back other than the data node sent it, and a training microbatch that comes home
+marked as an evaluation. The data node keeps its own route and its own idea of the microbatch. In one
+process (tests/helpers/inprocess.py): the real engines and every byte of their RPCs, over the
+in-memory transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shoal.node.hooks import Hooks
+from shoal.node.pipeline.data.attempts import InFlight
+from shoal.node.rpcs import EngineRpcs
+from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
+from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, worker_id
+from tests.helpers.raw_frames import send_tensor_on
+from tests.helpers.tiny import tiny_run
+from tests.test_node_worker_trust import RUN, routed_at_random, until
+
+pytestmark = [pytest.mark.timeout(180)]
+LAST = worker_id(2, 0)
+
+
+class HeldAfterForward(Hooks):
+    """The last stage's worker computes its forwards and holds each output until `release` is set: the
+    data node's microbatches stay in forward, waiting for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def after_forward(self) -> None:
+        await self.release.wait()
+
+
+class HeldSwarm:
+    """A three-stage swarm (a data node, one replica of stages 1 and 2) whose last worker holds its
+    outputs; `home` sends, as that worker, a forward home to the data node with the route it is given."""
+
+    def __init__(self, tmp_path) -> None:
+        self.held = HeldAfterForward()
+        run = corpus_run(tmp_path, tiny_run(**RUN))
+        self.swarm = InProcessSwarm(run, {1: 1, 2: 1}, routed_at_random(), hooks={LAST: self.held})
+        self.work: asyncio.Future | None = None
+
+    async def start(self) -> tuple[str, InFlight]:
+        """The swarm, training; returns a training microbatch of the data node's in forward."""
+        driver = await self.swarm.start()
+        self.work = asyncio.ensure_future(driver.work())
+        in_flight = driver.attempts.in_flight
+        await until(lambda: any(e.train and not e.home for e in in_flight.values()), "a microbatch in flight")
+        return next((wire_id, e) for wire_id, e in in_flight.items() if e.train and not e.home)
+
+    async def home(self, wire_id: str, entry: InFlight, route: tuple[Hop, ...], needs_backward: bool = True) -> Ack:
+        request = ForwardRequest(microbatch_id=wire_id, origin=DATA, step=entry.step, hop=len(route), route=route,
+                                 needs_backward=needs_backward)  # fmt: skip
+        x = torch.randn(*entry.targets.shape, self.swarm.run.model.residual_dim)
+        return await send_tensor_on(self.swarm.members[LAST].ctx.transport, DATA, EngineRpcs.forward, request, x)
+
+    async def close(self) -> None:
+        self.held.release.set()
+        if self.work is not None:
+            self.work.cancel()
+            await asyncio.gather(self.work, return_exceptions=True)
+        await self.swarm.close()
+
+
+def test_a_route_home_other_than_the_data_nodes_is_refused_and_the_data_node_keeps_its_own(tmp_path) -> None:
+    """The last hop of a training microbatch sends its activation home with a route one hop longer than
+    the data node sent (which made a step audit's strict zip of the route's peers and stages raise in
+    the step loop), and with a route naming a peer no view lists at stage 1. Both are refused, and the
+    data node's route stays as it was; the microbatch is still in forward."""
+    held = HeldSwarm(tmp_path)
+
+    async def main() -> dict[str, Ack]:
+        try:
+            wire_id, entry = await held.start()
+            ours = entry.route_peers
+            assert entry.route_stages == (1, 2) and ours == (worker_id(1, 0), LAST)
+            longer = (Hop(stage=1, peer_id=ours[0]), Hop(stage=1, peer_id="QmElsewhere"), Hop(stage=2, peer_id=LAST))
+            unlisted = (Hop(stage=1, peer_id="QmElsewhere"), Hop(stage=2, peer_id=LAST))
+            acks = {
+                "longer": await held.home(wire_id, entry, longer),
+                "unlisted": await held.home(wire_id, entry, unlisted),
+            }
+            assert entry.route_peers == ours and entry.route_stages == (1, 2)
+            assert not entry.home and entry.backward is None
+            return acks
+        finally:
+            await held.close()
+
+    acks = asyncio.run(main())
+    assert not any(ack.accepted for ack in acks.values()), acks
+    assert acks["longer"].reason == "the route's stages (1, 1, 2) are not those of this microbatch (1, 2)"
+    assert acks["unlisted"].reason == "the route names a peer at stage 1 that holds no replica of it"
