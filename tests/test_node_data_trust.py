@@ -96,3 +96,24 @@ def test_a_route_home_other_than_the_data_nodes_is_refused_and_the_data_node_kee
     assert not any(ack.accepted for ack in acks.values()), acks
     assert acks["longer"].reason == "the route's stages (1, 1, 2) are not those of this microbatch (1, 2)"
     assert acks["unlisted"].reason == "the route names a peer at stage 1 that holds no replica of it"
+
+
+def test_a_training_microbatch_home_marked_as_an_evaluation_still_gets_its_backward(tmp_path) -> None:
+    """The last hop sends a training microbatch's activation home saying it needs no backward. Its loss
+    was computed without a gradient and it counted as completed, its loss and tokens in the step's; the
+    data node now goes by its own record of the attempt: it computes the gradient and sends it back."""
+    held = HeldSwarm(tmp_path)
+
+    async def main() -> Ack:
+        try:
+            wire_id, entry = await held.start()
+            route = tuple(Hop(stage=s, peer_id=p) for s, p in zip(entry.route_stages, entry.route_peers, strict=True))
+            ack = await held.home(wire_id, entry, route, needs_backward=False)
+            await until(lambda: entry.backward is not None or entry.done.done(), "the loss to be computed")
+            assert entry.backward is not None and entry.backward.route == route
+            assert not entry.done.done()  # completed only once its gradient reaches the embedding
+            return ack
+        finally:
+            await held.close()
+
+    assert asyncio.run(main()).accepted

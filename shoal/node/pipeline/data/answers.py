@@ -127,10 +127,12 @@ class MicrobatchAnswers:
         return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale, entry.tokens)
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
-        if request.needs_backward:
+        """The loss, and for a training microbatch (ours to say: `entry.train`, never the request's
+        `needs_backward`) the gradient sent back along the route."""
+        if entry.train:
             self.note_output(request.microbatch_id, x)
         entry.loss, grad, weight_grad = await self.hops.compute(
-            self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD
+            self._loss_and_grad, entry, x, entry.train, priority=BACKWARD
         )
         if grad is None:
             self.attempts.end(request.microbatch_id, COMPLETED)
