@@ -256,3 +256,34 @@ def test_a_route_naming_the_worker_twice_is_refused_and_the_worker_stays_in_its_
 def test_a_route_is_taken_only_in_a_shape_a_data_node_sends(origin, stages_peers, problem) -> None:
     route = tuple(Hop(stage=s, peer_id=p) for s, p in stages_peers)
     assert route_problem(origin, route, stages=4) == problem
+
+
+@pytest.mark.parametrize(("counter", "value"), [("inner_step", 10**12), ("outer_epoch", 5)])
+def test_a_joiner_refuses_a_copy_whose_counters_no_replica_of_the_run_stands_at(tmp_path, counter, value) -> None:
+    """Stage 1 has two replicas; the first, which a joiner asks first, then stands at an inner step far
+    past the run's last (the learning-rate schedule's end, and a record every peer refuses), or at outer
+    epoch 5 after no inner step (no outer step would come due for a long while, and every partner's
+    gossip be refused as over). A third replica joining by copy refuses that copy, marks its donor
+    failed, and copies the second: it starts at inner step 0, epoch 0."""
+    run = corpus_run(tmp_path, tiny_run(**{**RUN, "averaging.mode": "noloco"}))
+    swarm = InProcessSwarm(run, {1: 2, 2: 1})
+
+    async def main() -> tuple[str | None, StageWorker]:
+        await swarm.start()
+        try:
+            donor = worker(swarm, 1)
+            assert donor.averager is not None
+            if counter == "inner_step":
+                donor.optimizer.step_count = value
+            else:
+                donor.averager.epoch = value
+            joiner = await swarm.add_worker(1, worker_id(1, 2))
+            return await joiner.join_by_copy(), joiner
+        finally:
+            await swarm.close()
+
+    source, joiner = asyncio.run(main())
+    assert source == worker_id(1, 1)
+    assert set(joiner.failed_donors) == {worker_id(1, 0)}
+    assert joiner.averager is not None
+    assert (joiner.optimizer.step_count, joiner.averager.epoch) == (0, 0)
