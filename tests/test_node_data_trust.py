@@ -1,8 +1,9 @@
-"""A live data node against hand-built messages from the hops of its own microbatches (issue 58): a
-route that comes back other than the data node sent it, and a training microbatch that comes home
-marked as an evaluation. The data node keeps its own route and its own idea of the microbatch. In one
-process (tests/helpers/inprocess.py): the real engines and every byte of their RPCs, over the
-in-memory transport."""
+"""A live data node against hand-built messages (issue 58): from the hops of its own microbatches, a
+route that comes back other than the data node sent it and a training microbatch that comes home
+marked as an evaluation; from another data node, a gradient share for a step far from its own. The
+data node keeps its own route, its own idea of the microbatch and its own step. In one process
+(tests/helpers/inprocess.py): the real engines and every byte of their RPCs, over the in-memory
+transport."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import torch
 
 from shoal.node.hooks import Hooks
 from shoal.node.pipeline.data.attempts import InFlight
+from shoal.node.pipeline.worker.step_window import STEP_HEADROOM
 from shoal.node.rpcs import EngineRpcs
-from shoal.protocol.pipeline import Ack, ForwardRequest, Hop
-from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, worker_id
+from shoal.p2p.streams import read_reply
+from shoal.protocol.pipeline import Ack, ForwardRequest, GradientShare, Hop
+from tests.helpers.inprocess import DATA, InProcessSwarm, corpus_run, data_id, worker_id
 from tests.helpers.raw_frames import send_tensor_on
 from tests.helpers.tiny import tiny_run
-from tests.test_node_worker_trust import RUN, routed_at_random, until
+from tests.test_node_worker_trust import INT64_MAX, RUN, routed_at_random, until
 
 pytestmark = [pytest.mark.timeout(180)]
 LAST = worker_id(2, 0)
@@ -117,3 +120,44 @@ def test_a_training_microbatch_home_marked_as_an_evaluation_still_gets_its_backw
             await held.close()
 
     assert asyncio.run(main()).accepted
+
+
+def test_a_gradient_share_for_a_step_far_from_the_data_nodes_own_is_refused_and_changes_nothing(tmp_path) -> None:
+    """Two data nodes average stage 0's gradients. Before either has stepped, the first sends the
+    second its gradients for step 2^63-1, and for a step within the run but far past the second's own.
+    They set the step the second was last called for past every step it takes, and from then on it
+    stepped stage 0 alone; both are now refused, as a worker's step window refuses such a step, and
+    change nothing. A share for step 0 is still taken (and waited for, in vain: nobody steps here)."""
+    settings = {**RUN, "train.steps": 1000, "averaging.mode": "noloco", "averaging.stage0": "gradients",
+                "averaging.exchange_timeout_s": 1.0}  # fmt: skip
+    swarm = InProcessSwarm(corpus_run(tmp_path, tiny_run(**settings)), {1: 1, 2: 1}, data_nodes=2)
+
+    async def main() -> dict[str, Ack]:
+        await swarm.start()
+        try:
+            sender, receiver = (driver.gradients for driver in swarm.drivers)
+            assert sender is not None and receiver is not None
+            pieces, _, _ = sender.codec.encode_delta([torch.zeros(shape) for shape in sender.shapes], None)
+
+            async def share(step: int) -> Ack:
+                stream = await swarm.drivers[0].ctx.rpc.gradient_share.open(data_id(1), 10.0)
+                try:
+                    await stream.write_message(GradientShare(step=step, tensors=len(sender.shapes)))
+                    await sender._send(stream, pieces)
+                    return await read_reply(stream, Ack)
+                finally:
+                    stream.close()
+
+            acks = {"2^63-1": await share(INT64_MAX), "far ahead": await share(10 * STEP_HEADROOM)}
+            assert (receiver.called_for, receiver.step) == (-1, -1)
+            acks["step 0"] = await share(0)
+            assert receiver.called_for == 0
+            return acks
+        finally:
+            await swarm.close()
+
+    acks = asyncio.run(main())
+    assert not any(ack.accepted for ack in acks.values()), acks
+    assert acks["2^63-1"].reason == f"step {INT64_MAX} is beyond any this data node can vouch for (at most 64)"
+    assert acks["far ahead"].reason == "step 640 is beyond any this data node can vouch for (at most 64)"
+    assert acks["step 0"].reason == "not at step 0 in time"
