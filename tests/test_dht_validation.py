@@ -227,3 +227,43 @@ def test_a_run_record_is_checked_once_per_content_and_a_refusal_is_never_kept():
         check_run_record(key_id(run_key("another-run")), value)
     info = check_run_record.cache_info()
     assert (info.hits, info.currsize) == (2, 1)
+
+
+def test_a_record_whose_stage_does_not_fit_its_role_or_the_run_is_left_out_of_views(caplog):
+    """A peer's own signed record, valid by the schema, of a worker at the run's stage count (3), of a
+    data node at block stage 2, of a rollout worker at stage 1: each is left out of the view, which a
+    planner then takes (one at or past the stage count made `swarm_from_view` raise IndexError on every
+    view of the run), and said once however many views are read. Its record at a stage that fits is
+    listed."""
+    from shoal.planning.costs import CostModel
+    from shoal.planning.from_view import swarm_from_view
+
+    cost = CostModel(activation_bytes=1024)
+
+    async def scenario() -> tuple[str, str, list[list[str]]]:
+        honest, attacker = await _two_peers()
+        try:
+            assert await honest.publish_node(_node_record(honest.peer_id), ttl_s=30)
+            seen = []
+            for role, stage in (("worker", 3), ("data", 2), ("rollout", 1), ("worker", 2)):
+                assert await attacker.publish_node(_node_record(attacker.peer_id, role=role, stage=stage), ttl_s=30)
+                for _ in range(2):
+                    view = await honest.read_view(RUN)
+                    swarm, _ = swarm_from_view(view, cost)
+                    assert len(swarm.nodes) == len(view.nodes)
+                seen.append(sorted(n.peer_id for n in view.nodes))
+            return honest.peer_id, attacker.peer_id, seen
+        finally:
+            await attacker.shutdown()
+            await honest.shutdown()
+
+    with caplog.at_level("WARNING", logger="shoal.dht.swarm"):
+        honest, attacker, seen = asyncio.run(scenario())
+    assert RUN.pipeline.stages == 3
+    assert seen == [[honest]] * 3 + [sorted([honest, attacker])]
+    left_out = [r.getMessage() for r in caplog.records if "out of the view" in r.getMessage()]
+    assert [m.split(": ", 1)[1] for m in left_out] == [
+        "a worker of stage 3, outside 1..2",
+        "a data node of stage 2, not of stage 0",
+        "a rollout node of stage 1, not of stage 0",
+    ]

@@ -335,7 +335,7 @@ def test_a_worker_still_computing_a_forward_takes_its_data_nodes_resume_for_when
     is refused and changes nothing."""
 
     async def main() -> None:
-        worker = StageWorker(context(tiny_run()), 1)
+        worker = StageWorker(context(tiny_run(**{"model.n_layers": 3, "pipeline.stages": 4})), 1)  # stages 1..3
         origin, lost, spare, last = "QmOrigin", "QmLostReplica", "QmSpareReplica", "QmLastStage"
         sent = ForwardRequest(
             microbatch_id="m1", origin=origin, step=0, hop=0, route=(Hop(1, PEER), Hop(2, lost), Hop(3, last))

@@ -70,7 +70,7 @@ from shoal.protocol.tensors import DTYPE_SIZES, TensorHeader, TensorMeta, Tensor
 from shoal.protocol.version import PROTOCOL_VERSION
 from shoal.run_files import load_run_config
 from tests.helpers.processes import metrics
-from tests.helpers.raw_frames import send_with_tensor, unchecked_encode
+from tests.helpers.raw_frames import announce_data_node, send_with_tensor, unchecked_encode
 from tests.helpers.tiny import tiny_run, write_tiny_run
 from tests.test_protocol_codec import any_message, message_strategy
 
@@ -786,8 +786,9 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
         await serve(
             origin.transport, EngineRpcs, {EngineRpcs.forward: home.forward, EngineRpcs.backward: home.backward}
         )
+        await announce_data_node(origin, pipeline.run_id)  # a listed data node: the worker takes its step close
         ids[ORIGIN] = origin.peer_id
-        result: dict[str, Any] = {"before": {n: metrics(daemons[n].peer) for n in nodes}}
+        result: dict[str, Any] = {"before": {n: metrics(daemons[n].peer) for n in nodes}, "origin": origin.peer_id}
         try:
             for daemon in daemons.values():
                 daemon.measure()
@@ -909,5 +910,6 @@ def test_hostile_messages_to_every_rpc_change_nothing_and_break_nothing(swarm, t
     taken = flood.accepted["forward"]
     assert 0 < taken <= MAX_INFLIGHT, f"{taken} of {FLOOD} flooding evaluation forwards taken {where}"
     pipeline_view, grpo_view = result["views"]
-    assert pipeline_view == sorted([(worker.peer_id, "worker", 1), (data.peer_id, "data", 0)]), where
+    listed = [(worker.peer_id, "worker", 1), (data.peer_id, "data", 0), (result["origin"], "data", 0)]
+    assert pipeline_view == sorted(listed), where
     assert grpo_view == [(rollout.peer_id, "rollout", 0)], where

@@ -18,7 +18,8 @@ from shoal.p2p.rpc import serve
 from shoal.p2p.streams import FramedStream, RemoteError
 from shoal.protocol.pipeline import AbandonNotice, Ack, BackwardRequest, ForwardRequest, Hop, StepClose
 from shoal.protocol.version import PROTOCOL_VERSION
-from tests.helpers.raw_frames import send_raw_frame, send_with_tensor
+from shoal.run_files import load_run_config
+from tests.helpers.raw_frames import announce_data_node, send_raw_frame, send_with_tensor
 from tests.helpers.tiny import tiny_run, write_tiny_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -89,14 +90,20 @@ def test_a_repeated_evaluation_forward_runs_once(swarm, tmp_path):
 def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_comes(swarm, tmp_path):
     """The breaks a hostile peer found: huge finite gradients made the weights NaN and the node leave
     the swarm; a duplicate microbatch id stopped its optimizer for good; a backward could name another
-    origin. Now: huge values are refused at the wire, the id is taken once, only the hop after ours
-    (here the data node that sent it) may send the gradient or abandon the microbatch, and the worker
-    steps once that data node closes its step."""
-    bootstrap, worker, stats = start_worker(swarm, tmp_path)
+    origin; a step close for step 2^63-1 from any peer that had sent one training microbatch made the
+    inner step 2^63, which no record can carry, and the worker left the swarm (issue 58). Now: huge
+    values are refused at the wire, the id is taken once, only the hop after ours (here the data node
+    that sent it) may send the gradient or abandon the microbatch, a step is closed only by a data node
+    the worker's view lists and only within the steps it can vouch for, and the worker steps once that
+    data node closes its step. Heartbeats every 2 s (--record-ttl 6): a record the worker cannot
+    publish shows within the test."""
+    bootstrap, worker, stats = start_worker(swarm, tmp_path, "--record-ttl", "6")
+    run = load_run_config(tmp_path / "run.toml")
 
     async def scenario():
         origin, stranger, home = await client(worker), await client(worker), Home()
         await serve(origin.transport, EngineRpcs, {EngineRpcs.forward: home.forward})
+        await announce_data_node(origin, run.run_id)  # a data node of the run, as far as the worker's view goes
         try:
             x = torch.randn(2, 8, MODEL.d_model)
             mb = "data-0.0-5f1c2a9e"
@@ -138,6 +145,11 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
                     origin, worker.peer_id, EngineRpcs.backward, backward(worker, mb, origin.peer_id), large
                 )
             ).accepted
+            for sender, step, why in ((origin, 2**63 - 1, "beyond any this worker can vouch for"),
+                                      (stranger, 0, "not a listed data node of this run")):  # fmt: skip
+                hostile = StepClose(step=step, completed=1, abandoned=0)
+                refused = await EngineRpcs(sender.transport).step_close(worker.peer_id, hostile)
+                assert not refused.accepted and why in refused.reason, refused
             close = StepClose(step=0, completed=1, abandoned=0)  # taken once our gradient has run
             for _ in range(100):
                 if (await EngineRpcs(origin.transport).step_close(worker.peer_id, close)).accepted:
@@ -148,7 +160,7 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
             # sent again (as a data node does when the kept stream it used turns out dead): answered, and
             # no second inner step (inner_steps stays 1 below)
             assert (await EngineRpcs(origin.transport).step_close(worker.peer_id, close)).accepted
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.5)  # a heartbeat publishes the record as the closes left it
             y = torch.randn(2, 8, MODEL.d_model)  # the worker still serves, with finite weights
             assert (
                 await send_with_tensor(origin, worker.peer_id, EngineRpcs.forward, forward(origin, worker, "after"), y)
@@ -169,8 +181,8 @@ def test_gradients_are_taken_only_from_the_next_hop_bounded_and_a_step_still_com
     engine = json.loads(stats.read_text())["engine"]
     assert engine["inner_steps"] == 1 and engine["steps_skipped"] == 0
     assert engine["forwards"] == 2 and engine["backwards"] == 1
-    assert engine["refused"] >= 3
-    assert "forged\nWARNING" not in worker.log()
+    assert engine["refused"] >= 5
+    assert "forged\nWARNING" not in worker.log() and "heartbeat failed" not in worker.log()
 
 
 def test_evaluation_floods_are_bounded_and_hostile_ids_never_reach_the_log(swarm, tmp_path):

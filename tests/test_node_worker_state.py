@@ -1,5 +1,6 @@
 """A stage worker's per-microbatch and per-step state on its own, without a worker or a peer: the
-step clock (shoal/node/pipeline/worker/step_clock.py) and the kept state (kept.py)."""
+step clock (shoal/node/pipeline/worker/step_clock.py), how long it waits for a close (waits.py) and
+the kept state (kept.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 
 from shoal.node.config import LimitOptions
 from shoal.node.pipeline.worker import step_clock
+from shoal.node.pipeline.worker import waits as waits_module
 from shoal.node.pipeline.worker.kept import KeptState, Saved, SentGradient
 from shoal.node.pipeline.worker.step_clock import StepClock
+from shoal.node.pipeline.worker.waits import CloseWaits
 from shoal.protocol.pipeline import BackwardRequest, ForwardRequest, Hop
 
 A, B = "QmDataNodeA", "QmDataNodeB"
@@ -32,6 +35,44 @@ def test_the_inner_step_is_due_once_every_contributor_closed_the_step_its_gradie
         assert clock.step_due()
         clock.step_taken()
         assert not clock.step_due() and clock.contributors == {}
+
+    asyncio.run(main())
+
+
+def test_the_inner_step_waits_for_a_contributors_close_only_while_it_is_listed_and_within_its_bounds() -> None:
+    """waits.py's rule: a contributor no view lists is released at once, one that another data node's
+    closes have left CLOSE_LAG_STEPS behind is released, and so is one whose close is `wait_s` late;
+    the gradient they contributed stays, and the step is due on the closes of the others."""
+
+    class Listing:  # what CloseWaits asks of Admission
+        async def unlisted(self, peer_id: str, since: float) -> bool:
+            return peer_id not in (A, B)
+
+    class Weights:  # ... and of Stepper
+        def weights_free(self) -> bool:
+            return True
+
+        async def maybe_step(self) -> None:
+            pass
+
+    async def main() -> None:
+        clock = StepClock(patience_s=1.0, short_id="test")
+        kept = KeptState(LimitOptions(), lambda: None)
+        waits = CloseWaits(clock, Listing(), kept, Weights(), wait_s=0.2)  # type: ignore[arg-type]
+        for origin, step in ((A, 3), (B, 3), ("QmStranger", 0)):
+            clock.contributed(origin, step)
+        await waits.settle()
+        assert clock.awaited() == {A: 3, B: 3}  # the stranger no longer holds the step
+        await clock.mark_heard(A, 3 + waits_module.CLOSE_LAG_STEPS)
+        await waits.settle()
+        assert clock.awaited() == {} and clock.step_due()  # B is too far behind A to be waited for
+        clock.step_taken()
+        clock.contributed(B, 7)
+        await waits.settle()
+        assert clock.awaited() == {B: 7}
+        await asyncio.sleep(0.25)
+        await waits.settle()
+        assert clock.awaited() == {}  # B's close is late
 
     asyncio.run(main())
 
@@ -86,7 +127,7 @@ def test_kept_state_ends_with_its_data_nodes_step_and_a_dropped_graph_is_reporte
         kept.saved[mb] = Saved(x, x, kept.expiry(), origin, 0, step, None)
         request = BackwardRequest(microbatch_id=mb, origin=origin, step=step, hop=0, route=(Hop(1, "QmUs"),))
         kept.sent[mb] = SentGradient(request, x, kept.expiry())
-    assert kept.ran_forward("a1") and kept.holds_from(B)
+    assert kept.ran_forward("a1") and kept.saved["b1"].origin == B
     assert kept.close(A, 1) == 1 and len(dropped) == 1  # a1's graph: no gradient will reach it now
     assert set(kept.saved) == {"a2", "b1"} and set(kept.sent) == {"a2", "b1"}
     assert kept.forget_origin(B) == 1 and len(dropped) == 2 and set(kept.sent) == {"a2"}

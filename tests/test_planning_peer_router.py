@@ -136,3 +136,26 @@ def test_fixed_lanes_never_mix_replicas_and_use_every_lane_in_turn():
     assert routes == [((1, "a1"), (2, "b1")), ((1, "a2"), (2, "b2"))] * 3
     uneven = _router("fixed", _view(_node("data", 0), _node("a1", 1), _node("a2", 1), _node("b1", 2)))
     assert {uneven.route("data").hops for _ in range(4)} == {((1, "a1"), (2, "b1"))}
+
+
+@pytest.mark.parametrize(
+    ("role", "stage", "misfit"),
+    [
+        ("data", 0, None),
+        ("rollout", 0, None),
+        ("worker", 1, None),
+        ("worker", 2, None),
+        ("worker", 3, "a worker of stage 3, outside 1..2"),  # at the run's stage count
+        ("worker", 4096, "a worker of stage 4096, outside 1..2"),
+        ("worker", 0, "a worker of stage 0, outside 1..2"),
+        ("data", 2, "a data node of stage 2, not of stage 0"),
+        ("rollout", 1, "a rollout node of stage 1, not of stage 0"),
+    ],
+)
+def test_a_node_stands_in_a_view_only_on_a_stage_its_role_and_the_run_allow(role, stage, misfit):
+    """The view reader (dht/swarm.py `read_view`) leaves out every record `stage_misfit` names: one at or
+    past the run's stage count made `swarm_from_view` raise IndexError on every view of the run, and a
+    data node's record at a block stage made it a replica routes could send through."""
+    from shoal.planning.swarm_view import stage_misfit
+
+    assert stage_misfit(NodeInfo("x", role, stage, "active", 10.0, 4), stages=3) == misfit

@@ -241,3 +241,24 @@ def test_an_epoch_ends_every_h_closed_steps_once():
 
     assert [epoch_ended(step, 10, 0) for step in (8, 9, 10, 19)] == [None, 1, None, 2]
     assert epoch_ended(9, 10, 1) is None  # already taken (a copy brought it)
+
+
+@pytest.mark.parametrize(
+    ("inner_step", "outer_epoch", "problem"),
+    [
+        (0, 0, None),
+        (0, 1, None),  # an outer step may come before a pending inner one
+        (25, 3, None),  # 25 steps at H = 10: epoch 2, one more allowed
+        (100, 11, None),  # the run's last step
+        (101, 0, "inner step 101 outside this run's 0..100"),
+        (-1, 0, "inner step -1 outside this run's 0..100"),
+        (2**63 - 1, 0, "inner step 9223372036854775807 outside this run's 0..100"),
+        (25, 4, "outer epoch 4 outside 0..3, the most 25 inner steps reach"),
+        (0, -1, "outer epoch -1 outside 0..1, the most 0 inner steps reach"),
+        (0, 2**63 - 1, "outer epoch 9223372036854775807 outside 0..1, the most 0 inner steps reach"),
+    ],
+)
+def test_a_copys_counters_are_taken_only_where_a_replica_of_the_run_can_stand(inner_step, outer_epoch, problem):
+    from shoal.train.outer import counters_refusal
+
+    assert counters_refusal(inner_step, outer_epoch, total_steps=100, inner_steps=10) == problem

@@ -31,11 +31,12 @@ from shoal.dht.validator import ShoalRecordValidator, owner_key
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
 from shoal.p2p.transport import Libp2pTransport
-from shoal.planning.swarm_view import SwarmView
+from shoal.planning.swarm_view import SwarmView, stage_misfit
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+LEFT_OUT_KEPT = 256  # records left out of views that were logged: each is logged once while kept
 
 
 class _JoinFailed(Exception):
@@ -72,6 +73,7 @@ class SwarmDHT:
         self._last_expiration: dict[str, float] = {}
         self._claims: dict[str, dict[str, Any]] = {}  # run id -> the claim this peer made, made once
         self._seen: dict[str, tuple[PublishedRun, bool]] = {}  # run id -> its first claim, seen as default?
+        self._left_out: dict[tuple[str, str], None] = {}  # (peer id, why) logged, oldest first
 
     @classmethod
     async def create(
@@ -242,12 +244,29 @@ class SwarmDHT:
                 except Exception as e:
                     logger.warning("ignoring an invalid node record: %s", e)
                     continue
-                if record.run_id == run.run_id and entry.expiration_time > now:
-                    nodes.append(node_info(record, entry.expiration_time))
+                if record.run_id != run.run_id or entry.expiration_time <= now:
+                    continue
+                info = node_info(record, entry.expiration_time)
+                misfit = stage_misfit(info, run.pipeline.stages)
+                if misfit is None:
+                    nodes.append(info)
+                else:
+                    self._leave_out(info.peer_id, misfit)
         nodes.sort(key=lambda n: (n.stage, n.peer_id))
         stages = run.pipeline.stages
         blocks = tuple(len(stage_layers(run.model.n_layers, stages, s)) for s in range(stages))
         return SwarmView(run.run_id, run.pipeline.stages, blocks, tuple(nodes), taken_at=now)
+
+    def _leave_out(self, peer_id: str, why: str) -> None:
+        """Say once (per peer and reason, for the last LEFT_OUT_KEPT of them) that a valid record of the
+        run is left out of every view: its stage does not fit its role or the run."""
+        key = (peer_id, why)
+        if key in self._left_out:
+            return
+        if len(self._left_out) >= LEFT_OUT_KEPT:
+            del self._left_out[next(iter(self._left_out))]
+        self._left_out[key] = None
+        logger.warning("leaving the node record of %s out of the view: %s", peer_id[-8:], why)
 
     async def shutdown(self) -> None:
         try:

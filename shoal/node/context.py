@@ -50,6 +50,10 @@ class NodeContext:
     checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
     suspects: Suspects = field(default_factory=Suspects)  # peers that just failed us (net/suspects.py)
 
+    def __post_init__(self) -> None:
+        if self.suspects.own_id is None:  # a node never suspects itself, whoever built its suspects
+            self.suspects.own_id = self.peer_id
+
     @functools.cached_property
     def rpc(self) -> EngineRpcs:
         """The engine RPCs of other nodes, as calls: `await ctx.rpc.abandon(peer, notice)`."""

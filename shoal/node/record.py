@@ -3,7 +3,9 @@ how far its engine got, the machine it computes on), published with the run's cl
 
 Numbers that went non-finite or huge (a diverged loss, a poisoned gradient norm) are published as
 unknown or capped: a record that fails the schema would expire and silently take the node out of the
-swarm.
+swarm. Counters (`inner_step`, `outer_epoch`) are this node's own, moved only by step numbers its
+engine checked (shoal/node/pipeline/worker/step_window.py); a record that still fails its schema is a
+bug, said as one, naming the field, and never sent.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig
 from shoal.device import describe
-from shoal.dht.records import MAX_RECORD_NUMBER
+from shoal.dht.records import MAX_RECORD_NUMBER, RecordError, load_record
+from shoal.dht.records import NodeRecord as NodeRecordSchema
 from shoal.dht.swarm import SwarmDHT
 from shoal.logs import printable
 from shoal.node import capacity
@@ -106,7 +109,14 @@ class NodeRecord:
 
     async def publish(self, standing: Standing, progress: Progress) -> bool:
         """Store the record now, and keep the run's own record alive: the run outlives its publisher."""
-        stored = await self.dht.publish_node(self.build(standing, progress), self.ttl_s)
+        record = self.build(standing, progress)
+        try:
+            load_record(NodeRecordSchema, record)
+        except RecordError as e:
+            logger.error("[%s] BUG: this node's own record fails its schema and is not published: %s",
+                         self.dht.peer_id[-8:], e)  # fmt: skip
+            raise
+        stored = await self.dht.publish_node(record, self.ttl_s)
         if not stored:
             logger.warning("[%s] node record was not stored by any peer", self.dht.peer_id[-8:])
         await self.dht.republish_run(self.run.run_id, self.ttl_s)

@@ -44,7 +44,7 @@ class ViewKeeper:
         self.engine = engine  # the node's engine now, if it has one
         self.view: SwarmView | None = None  # the last view read, without the suspects
         self.raw_view: SwarmView | None = None  # ... and with them
-        self.suspects = Suspects(on_change=self._suspects_changed)
+        self.suspects = Suspects(on_change=self._suspects_changed, own_id=dht.peer_id)
         self.restarts = RestartWatch()
 
     @property

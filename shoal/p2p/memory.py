@@ -104,6 +104,8 @@ class MemoryNetwork:
             if acted is not None:
                 await acted
         served = self.handlers.get(callee, {}).get(protocol)
+        if callee == caller:
+            raise PeerUnreachable(f"{caller[-8:]} dials itself")  # as libp2p, which refuses to
         if callee in self.down or served is None:
             raise PeerUnreachable(f"{callee[-8:]} does not answer {protocol}")
         handler, serve_timeout_s = served

@@ -36,15 +36,25 @@ class Suspicion:
 
 class Suspects:
     """`mark` on a failure, `clear` when the peer answers again; `on_change` runs after either changes
-    the set, so the node can take the suspects out of its view at once."""
+    the set, so the node can take the suspects out of its view at once. `own_id`: the node itself,
+    which it never suspects (a dial to oneself fails, and a node out of its own view is lost for good)."""
 
-    def __init__(self, on_change: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        on_change: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        own_id: str | None = None,
+    ):
         self._marked: dict[str, Suspicion] = {}
         self.on_change = on_change
         self._clock = clock
+        self.own_id = own_id
 
     def mark(self, peer_id: str, reason: str) -> bool:
         """Suspect `peer_id`; True if it was not suspected already."""
+        if peer_id == self.own_id:
+            logger.warning("not suspecting this node itself: %s", reason[:120])
+            return False
         if peer_id in self._marked:
             return False
         if len(self._marked) >= MAX_SUSPECTS:

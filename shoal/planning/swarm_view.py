@@ -82,6 +82,15 @@ class NodeInfo:
         return self.state != STATE_LEAVING
 
 
+def stage_misfit(node: NodeInfo, stages: int) -> str | None:
+    """Why `node` cannot stand in a view of a run of `stages` stages, if it cannot: a data node and a
+    rollout worker hold stage 0, a worker one block stage, 1..stages-1. A view that listed it would
+    index the run's stages past their end (planning/from_view.py), or route through a data node."""
+    if node.role == ROLE_WORKER:
+        return None if 1 <= node.stage < stages else f"a worker of stage {node.stage}, outside 1..{stages - 1}"
+    return None if node.stage == 0 else f"a {node.role} node of stage {node.stage}, not of stage 0"
+
+
 @dataclass(frozen=True)
 class SwarmView:
     run_id: str

@@ -178,6 +178,20 @@ def epoch_ended(closed_step: int, inner_steps: int, taken: int) -> int | None:
     return epoch if rest == 0 and epoch > taken else None
 
 
+def counters_refusal(inner_step: int, outer_epoch: int, total_steps: int, inner_steps: int) -> str | None:
+    """Why a replica of a run of `total_steps` steps, whose outer epochs end every `inner_steps` inner
+    steps, cannot stand at `inner_step` and `outer_epoch`, if it cannot. Its inner step is 0..the run's
+    steps; the close that ends epoch e is that of step e·H - 1, after which it has taken e·H inner
+    steps, so its epoch is at most inner_step // H (one more allowed: a repair takes its neighbours'
+    largest of each, an outer step may come before a pending inner one)."""
+    if not 0 <= inner_step <= total_steps:
+        return f"inner step {inner_step} outside this run's 0..{total_steps}"
+    most = inner_step // inner_steps + 1
+    if not 0 <= outer_epoch <= most:
+        return f"outer epoch {outer_epoch} outside 0..{most}, the most {inner_step} inner steps reach"
+    return None
+
+
 def noloco_partner(run_id: str, stage: int, epoch: int, replicas: Sequence[str], me: str) -> str | None:
     """My NoLoCo partner for `epoch` among the live `replicas` of a stage (me included), or None for
     the odd one out. As in the authors' code, a permutation seeded by the step pairs entry k with

@@ -1,4 +1,4 @@
-"""A swarm in one event loop: a data node and stage workers, the real engines, over `MemoryNetwork`.
+"""A swarm in one event loop: data nodes and stage workers, the real engines, over `MemoryNetwork`.
 
 Every RPC goes as between daemons (framed messages, tensors, the receivers' checks), through the same
 `serve` a daemon runs; what is missing is libp2p, the DHT and the processes. The view every node reads
@@ -13,19 +13,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 
 from shoal.config import RunConfig
 from shoal.device import autocast_dtype
+from shoal.dht.records import NodeRecord as RecordSchema
+from shoal.dht.records import load_record
 from shoal.model.stages import stage_layers
 from shoal.node.config import NodeConfig
 from shoal.node.context import NodeContext
 from shoal.node.engine import Engine
 from shoal.node.engines import node_hooks, routing_policy, run_cost_model
 from shoal.node.hooks import Hooks
+from shoal.node.machine import Machine
 from shoal.node.pipeline.data.driver import DataDriver
 from shoal.node.pipeline.worker.stage import StageWorker
+from shoal.node.record import NodeRecord, Standing
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.links import LinkMonitor
 from shoal.p2p.memory import MemoryNetwork
@@ -38,6 +43,10 @@ from tests.helpers.tiny import sample_text
 BLOCK_THROUGHPUT = 50.0  # what every member claims: routing weighs them alike
 MAX_INFLIGHT = 8
 DATA = "QmDataNode0"
+
+
+def data_id(index: int) -> str:
+    return f"QmDataNode{index}"
 
 
 def worker_id(stage: int, replica: int) -> str:
@@ -72,30 +81,35 @@ class InProcessSwarm:
         replicas: dict[int, int],
         config: NodeConfig | None = None,
         hooks: dict[str, Hooks] | None = None,
+        data_nodes: int = 1,
     ):
-        """`replicas`: stage -> how many workers hold it (named `QmWorker{stage}r{replica}`; the data node
-        is `DATA`); `hooks`: a member's faults by name, where a test scripts them in the engine itself."""
-        self.run, self.replicas = run, replicas
+        """`replicas`: stage -> how many workers hold it (named `QmWorker{stage}r{replica}`); `data_nodes`:
+        how many data nodes train it, each its own shard of the data (`data_id(k)`; the first is `DATA`);
+        `hooks`: a member's faults by name, where a test scripts them in the engine itself."""
+        self.run, self.replicas, self.data_nodes = run, replicas, data_nodes
         self.config = config or NodeConfig()
         self.hooks = hooks or {}
         self.network = MemoryNetwork()
         self.members: dict[str, Member] = {}
-        self.data: DataDriver | None = None
+        self.data: DataDriver | None = None  # the first data node
+        self.drivers: list[DataDriver] = []
         self._clock = 0.0
 
     # ---- the members ---------------------------------------------------------------------------------
 
     async def start(self, data_config: NodeConfig | None = None) -> DataDriver:
-        """Every worker (stage by stage, replica by replica), then the data node; returns the data node."""
+        """Every worker (stage by stage, replica by replica), then the data nodes; returns the first."""
         for stage in range(1, self.run.pipeline.stages):
             for replica in range(self.replicas.get(stage, 1)):
                 await self.add_worker(stage, worker_id(stage, replica))
-        ctx = self._context(DATA, data_config or self.config)
-        driver = DataDriver(ctx)
-        await driver.start()
-        await self._join(Member(DATA, 0, ctx, driver, self._started()))
-        self.data = driver
-        return driver
+        for k in range(self.data_nodes):
+            ctx = self._context(data_id(k), data_config or self.config)
+            driver = DataDriver(ctx, shard=k, num_shards=self.data_nodes)
+            await driver.start()
+            await self._join(Member(data_id(k), 0, ctx, driver, self._started()))
+            self.drivers.append(driver)
+        self.data = self.drivers[0]
+        return self.data
 
     async def add_worker(self, stage: int, peer_id: str) -> StageWorker:
         ctx = self._context(peer_id, self.config)
@@ -128,6 +142,17 @@ class InProcessSwarm:
 
     def engine(self, peer_id: str) -> Engine:
         return self.members[peer_id].engine
+
+    def published_record(self, peer_id: str) -> RecordSchema:
+        """The record `peer_id`'s daemon would publish now, read back as every peer reads it: raises
+        `RecordError` naming the field where peers would refuse it (and the node drop out of the swarm)."""
+        member = self.members[peer_id]
+        machine = Machine.at_start(self.run, torch.device("cpu"), BLOCK_THROUGHPUT, None)
+        record = NodeRecord(SimpleNamespace(peer_id=peer_id), self.run, machine, member.ctx.links, member.started_at,
+                            ttl_s=30.0)  # type: ignore[arg-type]  # fmt: skip
+        standing = Standing(role=member.role, stage=member.stage, state=STATE_ACTIVE, max_inflight=MAX_INFLIGHT,
+                            maddrs=[], reachable=None, placement_note=None)  # fmt: skip
+        return load_record(RecordSchema, record.build(standing, member.engine.progress()))
 
     # ---- what every member sees ----------------------------------------------------------------------
 

@@ -4,7 +4,8 @@
 side: no route, no retry. `send_raw_frame` sends bytes as they are: our own encoder refuses to write
 a message that breaks the wire schema (a NaN, a list over its bound, a hostile string), so a test
 that checks the receiver's decoder refuses it too builds the document by hand and packs it with
-msgpack.
+msgpack. `announce_data_node` lists a hand-built client as a data node of a run, as any peer may
+list itself: what a worker takes only from a listed data node (a step close) can then be sent by hand.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from typing import Any, TypeVar
 
 import msgpack
 import torch
+from hivemind.utils import get_dht_time
 
 from shoal.dht.swarm import SwarmDHT
-from shoal.p2p.rpc import Rpc
+from shoal.p2p.health import node_handlers
+from shoal.p2p.rpc import Rpc, serve
+from shoal.p2p.services import NodeRpcs
 from shoal.p2p.streams import RemoteError, read_reply
 from shoal.p2p.transport import Transport
+from shoal.planning.swarm_view import ROLE_DATA, STATE_ACTIVE
 from shoal.protocol.codec import encode
 from shoal.protocol.pipeline import Ack
 from shoal.protocol.registry import tag_of
@@ -44,7 +49,12 @@ def _plain(value: Any) -> Any:
 
 async def send_with_tensor(client: SwarmDHT, peer_id: str, rpc: Rpc, request: object, x: torch.Tensor) -> Ack:
     """One request and its float32 tensor on `rpc` of `peer_id`; the peer's Ack (a RemoteError raises)."""
-    stream = await client.transport.open(peer_id, rpc.protocol, timeout_s=10)
+    return await send_tensor_on(client.transport, peer_id, rpc, request, x)
+
+
+async def send_tensor_on(transport: Transport, peer_id: str, rpc: Rpc, request: object, x: torch.Tensor) -> Ack:
+    """`send_with_tensor` over any transport (the in-process tests' memory transport)."""
+    stream = await transport.open(peer_id, rpc.protocol, timeout_s=10)
     try:
         await stream.write_message(request)
         await stream.write_tensor(x, "float32")
@@ -79,3 +89,25 @@ def unchecked_frames(t: torch.Tensor, wire_dtype: str) -> list[bytes | memoryvie
     raw = memoryview(x.reshape(-1).view(torch.uint8).numpy())
     header, chunks = frame_payload(TensorMeta(dtype=wire_dtype, shape=tuple(x.shape)), raw)
     return [encode(header), *chunks]
+
+
+def data_node_record(run_id: str, peer_id: str, inner_step: int = 0) -> dict[str, Any]:
+    """The record of a data node of `run_id` that has stepped `inner_step` times, built by hand."""
+    now = get_dht_time()
+    return {
+        "kind": "node", "run_id": run_id, "peer_id": peer_id, "maddrs": [], "role": ROLE_DATA, "stage": 0,
+        "state": STATE_ACTIVE, "block_throughput": 1.0, "max_inflight": 8, "inner_step": inner_step,
+        "outer_epoch": 0, "loss": None, "grad_norm": None, "grad_norm_clipped": None, "repair": None,
+        "waiting_for": [], "links": [], "replica_distance": None, "averager_maddrs": [], "model_id": None,
+        "reachable": None, "excluded": [], "placement_note": None, "protocol_version": PROTOCOL_VERSION,
+        "started_at": now, "updated_at": now,
+        "device": {"kind": "cpu", "name": "cpu", "total_bytes": 2**33, "free_bytes": 2**32, "planned_bytes": 2**32,
+                   "tokens_per_s": 1e4, "compute_dtype": "float32"},
+    }  # fmt: skip
+
+
+async def announce_data_node(client: SwarmDHT, run_id: str, ttl_s: float = 120.0) -> None:
+    """List `client` as a live data node of `run_id`: its own signed record, which any peer may publish
+    for itself, and answers to pings, so that the peers that watch it keep it in their views."""
+    await serve(client.transport, NodeRpcs, node_handlers(lambda: (STATE_ACTIVE, 0)))
+    assert await client.publish_node(data_node_record(run_id, client.peer_id), ttl_s), "no peer stored the record"

@@ -25,10 +25,16 @@ def stage_outer_config(config: OuterConfig, averaging: AveragingConfig, stage: i
     step, or DiLoCo's with α 0, β 1, exactly that mean). Trained apart for H steps, two data nodes ended
     0.25-0.6 nats behind one (docs/benchmarks.md, "Data nodes")."""
     if stage == 0 and averaging.stage0 != "outer":
-        every = averaging.stage0_every if averaging.stage0 == "mean" else averaging.stage0_resync_every
-        plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": every}
+        plain_mean = {"alpha": 0.0, "beta": 1.0, "inner_steps": epoch_steps(averaging, stage)}
         config = dataclasses.replace(config, **plain_mean, **({"gamma": 1.0} if config.mode == "noloco" else {}))
     return config
+
+
+def epoch_steps(averaging: AveragingConfig, stage: int) -> int:
+    """Inner steps to an outer epoch of `stage`'s replicas (see `stage_outer_config`)."""
+    if stage == 0 and averaging.stage0 != "outer":
+        return averaging.stage0_every if averaging.stage0 == "mean" else averaging.stage0_resync_every
+    return averaging.inner_steps
 
 
 def outer_codec_name(averaging: AveragingConfig, stage: int) -> str:

@@ -114,13 +114,16 @@ class PipelineEngine:
         if isinstance(task, asyncio.Task):
             task.set_name(name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda done: self._task_done(done, name))
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Future, name: str) -> None:
+        """A gather of tasks (a future, not a task) that shutdown cancelled ends with CancelledError as
+        its exception rather than cancelled: that is no failure either."""
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("[%s] %s failed: %r", self.ctx.short_id, task.get_name(), task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            logger.error("[%s] %s failed: %r", self.ctx.short_id, name, error)
 
     def banned(self) -> set[str]:
         now = time.monotonic()
@@ -146,6 +149,28 @@ class PipelineEngine:
             return False
         return self._lists(peer_id, stages)
 
+    async def read_view_after(self, since: float) -> bool:
+        """Make sure a view read that began at `since` (monotonic) or later is done; False if a read
+        failed. A peer that sent us something before that read began and is missing from it is not
+        listed. A read under way that began in time is shared; reads begin at most every
+        VIEW_READ_MIN_S, and a caller waits for its turn (`listed` answers "no" meanwhile instead)."""
+        while True:
+            read = self._view_read
+            if read is None or read.done():
+                if read is not None and self._view_read_at >= since:
+                    return not read.cancelled() and read.exception() is None
+                delay = self._view_read_at + VIEW_READ_MIN_S - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                    continue
+                self._view_read_at = time.monotonic()
+                read = self._view_read = asyncio.ensure_future(self.ctx.refresh_view())
+            try:
+                await asyncio.shield(read)
+            except Exception as e:
+                logger.info("[%s] could not read the view: %s", self.ctx.short_id, e)
+                return False
+
     def _lists(self, peer_id: str, stages: Collection[int] | None) -> bool:
         view = self.ctx.view
         return view is not None and any(
@@ -154,7 +179,10 @@ class PipelineEngine:
 
     def ban(self, peer_id: str, error: HopFailed | None = None) -> None:
         """Route around `peer_id` for a while; where the stream itself failed (not a peer that answered
-        no), suspect it node-wide at once (net/suspects.py)."""
+        no), suspect it node-wide at once (net/suspects.py). A node never bans or suspects itself: a
+        hop that named it twice failed on the route, not on us."""
+        if peer_id == self.ctx.peer_id:
+            return
         self.banned_until[peer_id] = time.monotonic() + FAILED_PEER_BAN_S
         if error is None or not error.refused:
             self.ctx.suspects.mark(peer_id, str(error) if error is not None else "reported lost by a peer")
@@ -198,7 +226,10 @@ class PipelineEngine:
 
         A stream that fails before the receiver answered is retried on the same peer (receivers
         treat a repeated microbatch as taken), so one broken stream between live peers costs a retry,
-        never a replica. A peer that answers "no" is not retried here."""
+        never a replica. A peer that answers "no" is not retried here. A node never sends a hop to
+        itself (libp2p cannot dial oneself): admission refuses a route that would make it."""
+        if peer_id == self.ctx.peer_id:
+            raise HopFailed(f"{rpc.name} addressed to this node itself", refused=True)
         for attempt in range(retries + 1):
             try:
                 return await self._send_once(peer_id, rpc, request, tensor)
@@ -246,6 +277,8 @@ class PipelineEngine:
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
+        if peer_id == self.ctx.peer_id:
+            raise HopFailed("an output asked of this node itself", refused=True)
         try:
             stream = await self.rpc.fetch_output.open(peer_id, timeout_s)
         except Exception as e:

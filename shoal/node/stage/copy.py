@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.node.averaging.base import Averager
+from shoal.config import RunConfig
+from shoal.node.averaging.base import Averager, epoch_steps
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.engine import GradNorms
@@ -27,7 +28,7 @@ from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.inner import OptimizerState, load_optimizer_state, optimizer_state
-from shoal.train.outer import check_partner_tensors
+from shoal.train.outer import check_partner_tensors, counters_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ FAILED_WAIT_S = 3.0  # after every listed donor failed: how long other replicas 
 
 class DonorBusy(Exception):
     """The replica asked is streaming its stage to someone else: ask another, or again shortly."""
+
+
+class BadCounters(Exception):
+    """A copy's inner step or outer epoch is one no replica of our run stands at: not taken."""
 
 
 class StageHolder(Protocol):
@@ -131,15 +136,17 @@ async def fetch_stage(
     timeout_s: float,
     wait_if_busy: bool = True,
     moments: bool = False,
+    run: RunConfig | None = None,
 ) -> FetchedStage:
     """θ and φ of `stage` from `peer` (and AdamW's moments, if `moments`), checked against `reference`
     (count, shapes, dtype, finite). `p2p`: a node's, or any client's (`shoal export` fetches every stage
     this way). A peer busy serving another copy is asked again until `timeout_s` has passed, or
-    (`wait_if_busy` False) raises DonorBusy."""
+    (`wait_if_busy` False) raises DonorBusy. A node that takes the copy's counters passes its `run`:
+    counters no replica of it stands at raise BadCounters (`counters_refusal`)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await _fetch_once(transport, peer, stage, reference, timeout_s, moments)
+            return await _fetch_once(transport, peer, stage, reference, timeout_s, moments, run)
         except DonorBusy:
             if not wait_if_busy or time.monotonic() + BUSY_RETRY_S >= deadline:
                 raise
@@ -147,7 +154,13 @@ async def fetch_stage(
 
 
 async def _fetch_once(
-    transport: Transport, peer: str, stage: int, reference: list[torch.Tensor], timeout_s: float, moments: bool
+    transport: Transport,
+    peer: str,
+    stage: int,
+    reference: list[torch.Tensor],
+    timeout_s: float,
+    moments: bool,
+    run: RunConfig | None,
 ) -> FetchedStage:
     stream = await EngineRpcs(transport).copy_stage.open(peer, timeout_s)
     n = len(reference)
@@ -157,6 +170,11 @@ async def _fetch_once(
         if not ack.accepted:
             raise DonorBusy(ack.reason) if ack.reason == BUSY else RuntimeError(ack.reason)
         header = await read_reply(stream, StageCopy)
+        if run is not None:
+            why = counters_refusal(header.inner_step, header.outer_epoch, run.train.steps,
+                                   epoch_steps(run.averaging, stage))  # fmt: skip
+            if why is not None:
+                raise BadCounters(f"stage copy at {why}")
         if header.tensors != n:
             raise BadTensor(f"stage copy of {header.tensors} tensors, expected {n}")
         if len(header.adam_steps) not in ((0, n) if moments else (0,)):
@@ -211,7 +229,7 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
         try:
             fetched = await fetch_stage(ctx.transport, source.peer_id, worker.stage, ours,
                                         ctx.config.network.rpc_timeout_s, wait_if_busy=False,
-                                        moments=wants_moments(worker))  # fmt: skip
+                                        moments=wants_moments(worker), run=ctx.run)  # fmt: skip
         except DonorBusy:
             logger.info("[%s] %s is serving another copy of stage %d: trying another replica", ctx.short_id,
                         source.peer_id[-8:], worker.stage)  # fmt: skip

@@ -78,7 +78,8 @@ class EdgeCopyKeeper:
         for holder in holders:
             try:
                 fetched = await fetch_stage(ctx.transport, holder.peer_id, 0, self._reference,
-                                            ctx.config.network.rpc_timeout_s, wait_if_busy=False)  # fmt: skip
+                                            ctx.config.network.rpc_timeout_s, wait_if_busy=False,
+                                            run=ctx.run)  # fmt: skip
             except DonorBusy:
                 continue
             except Exception as e:
@@ -132,7 +133,9 @@ async def recover_stage0(driver: StageHolder) -> str | None:
     for keeper in keepers:
         try:
             timeout_s = ctx.config.network.rpc_timeout_s
-            copies.append(await fetch_stage(ctx.transport, keeper.peer_id, 0, reference, timeout_s, wait_if_busy=False))
+            fetched = await fetch_stage(ctx.transport, keeper.peer_id, 0, reference, timeout_s, wait_if_busy=False,
+                                        run=run)  # fmt: skip
+            copies.append(fetched)
         except Exception as e:
             logger.info("[%s] no copy of stage 0 from %s: %s", ctx.short_id, keeper.peer_id[-8:], e)
     if not copies:

@@ -116,7 +116,8 @@ async def _fetch_any(
     """The weights of `stage` from the first of its replicas that gives them."""
     for holder in _holders(ctx, stage, dead):
         try:
-            return await fetch_stage(ctx.transport, holder.peer_id, stage, reference, ctx.config.network.rpc_timeout_s)
+            timeout_s = ctx.config.network.rpc_timeout_s
+            return await fetch_stage(ctx.transport, holder.peer_id, stage, reference, timeout_s, run=ctx.run)
         except Exception as e:
             logger.warning("[%s] stage %d from %s for a repair: %s", ctx.short_id, stage, holder.peer_id[-8:], e)
             ctx.suspects.mark(holder.peer_id, f"stage copy for a repair failed: {e}")

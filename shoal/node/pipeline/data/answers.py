@@ -69,12 +69,22 @@ class MicrobatchAnswers:
         pending, self.weight_grads = self.weight_grads, []
         await asyncio.gather(*pending)
 
-    async def _speaks_for_hop(self, entry: InFlight, sender: str, hop: Hop) -> bool:
-        """`sender` is the peer that `hop` names, and it took part in this microbatch: it is on the
-        route we know, or a live replica of that hop's stage that redid it (a re-route or a recompute)."""
-        if sender != hop.peer_id:
-            return False
-        return sender in entry.route_peers or await self.hops.listed(sender, (hop.stage,))
+    async def _route_refusal(self, entry: InFlight, sender: str, route: tuple[Hop, ...], first: bool) -> str | None:
+        """Why `route`, as `sender` hands this microbatch back (its last hop home; `first`: its first hop
+        with the gradient), is not the route we sent it along, if it is not. It has our route's length
+        and our stage at every hop; where it names another peer than we know at a hop, that peer is a
+        live replica of the hop's stage (it took the hop over: the sender's own pick, a resume, a hop
+        redone). We keep its peers (whom the step close reaches, whom a step audit holds to the
+        microbatch), never its stages."""
+        if not route or sender != route[0 if first else -1].peer_id:
+            return "not the first hop" if first else "not the last hop"
+        stages = tuple(hop.stage for hop in route)
+        if stages != entry.route_stages:
+            return f"the route's stages {stages[:8]} are not those of this microbatch {entry.route_stages[:8]}"
+        for hop, ours in zip(route, entry.route_peers, strict=True):
+            if hop.peer_id != ours and not await self.hops.listed(hop.peer_id, (hop.stage,)):
+                return f"the route names a peer at stage {hop.stage} that holds no replica of it"
+        return None
 
     def _refuse(self, sender: str, microbatch_id: str, why: str) -> str:
         self.refused += 1
@@ -91,8 +101,9 @@ class MicrobatchAnswers:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
-        if not request.route or not await self._speaks_for_hop(entry, sender, request.route[-1]):
-            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the last hop"))
+        why = await self._route_refusal(entry, sender, request.route, first=False)
+        if why is not None:
+            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, why))
         if entry.home:
             return Ack(accepted=True)  # a retried stream: we already have it
         if tuple(x.shape[:2]) != tuple(entry.targets.shape):
@@ -116,10 +127,12 @@ class MicrobatchAnswers:
         return self.head.loss_and_input_grad(x, entry.targets, entry.loss_scale, entry.tokens)
 
     async def _loss_and_backward(self, request: ForwardRequest, entry: InFlight, x: torch.Tensor) -> None:
-        if request.needs_backward:
+        """The loss, and for a training microbatch (ours to say: `entry.train`, never the request's
+        `needs_backward`) the gradient sent back along the route."""
+        if entry.train:
             self.note_output(request.microbatch_id, x)
         entry.loss, grad, weight_grad = await self.hops.compute(
-            self._loss_and_grad, entry, x, request.needs_backward, priority=BACKWARD
+            self._loss_and_grad, entry, x, entry.train, priority=BACKWARD
         )
         if grad is None:
             self.attempts.end(request.microbatch_id, COMPLETED)
@@ -159,8 +172,9 @@ class MicrobatchAnswers:
             return Ack(accepted=False, reason="this data node holds no block stage")
         if entry is None or not entry.home:
             return Ack(accepted=False, reason="unknown or abandoned microbatch")
-        if not request.route or not await self._speaks_for_hop(entry, sender, request.route[0]):
-            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, "not the first hop"))
+        why = await self._route_refusal(entry, sender, request.route, first=True)
+        if why is not None:
+            return Ack(accepted=False, reason=self._refuse(sender, request.microbatch_id, why))
         if entry.done.done() or entry.embedding_grad:
             return Ack(accepted=True)  # a retried stream
         entry.embedding_grad = True

@@ -21,6 +21,7 @@ import torch
 
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
+from shoal.node.pipeline.worker.step_window import STEP_HEADROOM
 from shoal.node.stage.copy import StageHolder
 from shoal.p2p.streams import FramedStream, read_reply
 from shoal.protocol.errors import BadTensor
@@ -188,7 +189,18 @@ class GradientExchange:
             return "not a live data node of this run"
         if request.step <= self.step:
             return f"step {request.step} {OVER}"
+        highest = self.highest()
+        if request.step > highest:
+            return f"step {request.step} is beyond any this data node can vouch for (at most {highest})"
         return None
+
+    def highest(self) -> int:
+        """The latest step a partner may call for: ours (the next we step, or the next after the last we
+        exchanged for) plus STEP_HEADROOM, as a worker's step window (step_window.py) bounds what a data
+        node names, and never past the run's last step. A call beyond it would set `called_for` past
+        every step we take, and we would step alone from then on."""
+        ours = max(self.step + 1, self.holder.optimizer.step_count)
+        return min(self.ctx.run.train.steps - 1, ours + STEP_HEADROOM)
 
     async def _publish(self, offer: tuple | None, step: int) -> None:
         async with self._news:

@@ -55,7 +55,7 @@ class Backwarder:
 
     async def on_backward(self, request: BackwardRequest, stream: FramedStream, sender: str) -> Ack:
         hops, kept = self.hops, self.kept
-        refusal = self.admission.check_hop(request)
+        refusal = self.admission.check_hop(request, sender)
         saved = kept.saved.get(request.microbatch_id)
         spec = hops.activation_spec if saved is None else replace(hops.activation_spec, shape=tuple(saved.y.shape))
         grad = await stream.read_tensor(spec, max_bytes=hops.max_activation_bytes, device=hops.device)

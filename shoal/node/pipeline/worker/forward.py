@@ -57,6 +57,8 @@ class Forwarder:
         refusal = self.admission.check_forward(request, sender)
         x = await self.hops.read_activation(stream)
         tokens = self.hops.read_tokens(request.tokens, x)
+        if refusal is None:
+            refusal = await self.admission.check_step(request, sender)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
@@ -67,8 +69,6 @@ class Forwarder:
             return Ack(accepted=False, reason=f"busy: {self.ctx.max_inflight} microbatches in flight")
         self.forwarding.add(mb)
         self.computing[mb] = request
-        if request.needs_backward:
-            self.kept.served[request.origin] = self.kept.expiry()
         self.hops.spawn(self._forward(request, x, tokens), f"forward {mb}")
         return self.taken(request.origin)
 

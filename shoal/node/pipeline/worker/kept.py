@@ -4,8 +4,8 @@ Forward keeps the input and output of a training microbatch, with its graph, unt
 comes back (`Saved`). Backward keeps the gradient it passed upstream until the microbatch is over
 (`SentGradient`): if the hop before ours dies holding its graph, another replica of that stage redoes
 it from that gradient. Which forwards and backwards already ran is kept a while longer, so that a
-retried request is taken as done, and so is which data nodes we served. A microbatch is over when
-its data node gives it up, closes its step, restarts, or when what we keep of it expires.
+retried request is taken as done. A microbatch is over when its data node gives it up, closes its
+step, restarts or leaves our view (waits.py), or when what we keep of it expires.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Saved:
     next_peer: str | None = None  # the peer that took it (set once it acknowledged)
     calls: list[LinearCall] = field(default_factory=list)  # the forward's Linear calls, for the B/W split
     tokens: bytes = b""  # the microbatch's token ids as they came (a Subspace Network's run)
+    taken_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -57,7 +58,6 @@ class KeptState:
         self.sent: dict[str, SentGradient] = {}
         self.backward_done: dict[str, float] = {}  # microbatch id -> when to forget it
         self.forwarded: dict[str, float] = {}  # microbatch id -> when to forget that we ran its forward
-        self.served: dict[str, float] = {}  # data node -> when to forget that we took its training forwards
         self.expired = 0
 
     def expiry(self) -> float:
@@ -69,10 +69,6 @@ class KeptState:
         """Whether we already ran this microbatch's forward (a retried stream whose ack was lost)."""
         mb = microbatch_id
         return mb in self.forwarded or mb in self.saved or mb in self.backward_done
-
-    def holds_from(self, origin: str) -> bool:
-        """Whether we keep a forward graph of a microbatch of data node `origin`."""
-        return any(s.origin == origin for s in self.saved.values())
 
     def drop(self, microbatch_id: str) -> None:
         """Forget a microbatch whose gradient will never come; a pending step may then proceed."""
@@ -102,8 +98,9 @@ class KeptState:
         return Ack(accepted=True)
 
     def forget_origin(self, origin: str) -> int:
-        """A data node restarted under the same peer id (restarts.py): none of the microbatches its old
-        process injected will come back, so drop what we keep for them, as if each was abandoned."""
+        """A data node restarted under the same peer id (restarts.py) or is no live data node of the
+        run (waits.py): none of the microbatches it injected will come back, so drop what we keep for
+        them, as if each was abandoned; returns how many graphs were dropped."""
         stale = [mb for mb, s in self.saved.items() if s.origin == origin]
         for mb in stale:
             self.drop(mb)
@@ -119,7 +116,7 @@ class KeptState:
         for mb in stale:
             self.drop(mb)
         self.expired += len(stale)
-        for kept in (self.sent, self.backward_done, self.forwarded, self.served):
+        for kept in (self.sent, self.backward_done, self.forwarded):
             for mb in [mb for mb, v in kept.items() if (v if isinstance(v, float) else v.expires_at) < now]:
                 del kept[mb]
         return len(stale)

@@ -19,7 +19,7 @@ from shoal.node.compute import BACKWARD
 from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.base import PipelineEngine, push_forward
 from shoal.node.pipeline.hops import HopFailed, lost_kind
-from shoal.node.pipeline.worker.admission import Admission
+from shoal.node.pipeline.worker.admission import Admission, route_problem
 from shoal.node.pipeline.worker.backward import Backwarder
 from shoal.node.pipeline.worker.forward import Forwarder
 from shoal.node.pipeline.worker.kept import KeptState, Saved, SentGradient
@@ -69,6 +69,8 @@ class Redo:
         grad = await stream.read_tensor(hops.activation_spec, max_bytes=hops.max_activation_bytes, device=hops.device)
         hops.check_activation(grad)
         tokens = hops.read_tokens(request.tokens, grad)
+        if refusal is None:
+            refusal = await self.admission.check_step(request, sender)
         if refusal:
             return Ack(accepted=False, reason=refusal)
         mb = request.microbatch_id
@@ -169,6 +171,8 @@ class Redo:
         route, hop = request.route, request.hop
         if not 0 <= hop < len(route) or hop != saved.hop or route[hop].peer_id != self.ctx.peer_id:
             return Ack(accepted=False, reason="that route does not name us where we forwarded it")
+        if (problem := route_problem(saved.origin, route, self.ctx.run.pipeline.stages)) is not None:
+            return Ack(accepted=False, reason=self.admission.refuse(sender, request.microbatch_id, problem))
         if (route[hop + 1].stage if hop + 1 < len(route) else None) != saved.next_stage:
             return Ack(accepted=False, reason="that route sends it to another stage than we did")
         onward = ForwardRequest(
@@ -189,6 +193,8 @@ class Redo:
             return Ack(accepted=False, reason="that route does not name us where we are forwarding it")
         if any(a.stage != b.stage for a, b in zip(route, computing.route, strict=True)):
             return Ack(accepted=False, reason="that route sends it through other stages than we were sent")
+        if (problem := route_problem(computing.origin, route, self.ctx.run.pipeline.stages)) is not None:
+            return Ack(accepted=False, reason=self.admission.refuse(sender, request.microbatch_id, problem))
         self.forwarder.reroute(request.microbatch_id, route)
         self.resumed += 1
         return Ack(accepted=True)

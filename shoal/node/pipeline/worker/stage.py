@@ -11,6 +11,8 @@ module, built here and handed only what it uses.
 - backward.py: the B/W-split backward and the gradient passed upstream;
 - redo.py: recompute, recover and resume of a lost hop;
 - step_clock.py: the data nodes' step closes and the contributors to our inner step;
+- step_window.py: which of a data node's steps a peer may name;
+- waits.py: how long the inner step waits for a contributor's close;
 - stepper.py: the inner and outer steps, never across a live forward graph;
 - notices.py: what a worker tells a data node unasked; transcripts.py: the step audit's records.
 
@@ -40,8 +42,10 @@ from shoal.node.pipeline.worker.forward import Forwarder
 from shoal.node.pipeline.worker.kept import KeptState
 from shoal.node.pipeline.worker.redo import Redo
 from shoal.node.pipeline.worker.step_clock import StepClock
+from shoal.node.pipeline.worker.step_window import StepWindow
 from shoal.node.pipeline.worker.stepper import Stepper
 from shoal.node.pipeline.worker.transcripts import StepRecorder
+from shoal.node.pipeline.worker.waits import CloseWaits, close_wait_s
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
@@ -79,13 +83,18 @@ class StageWorker(PipelineEngine):
         self.clock = StepClock(step_close_patience_s(run.averaging.exchange_timeout_s), ctx.short_id)
         self.stepper = Stepper(self, self.clock, self.module, lambda: self.optimizer, self.transcripts, self.grad_norms)
         self.kept = KeptState(ctx.config.limits, self.stepper.graph_dropped)
-        self.admission = Admission(self, stage, self.kept, self.clock)
+        window = StepWindow(ctx, self.clock, lambda: self.optimizer.step_count)
+        self.admission = Admission(self, stage, self.kept, window)
+        wait_s = close_wait_s(ctx.config.limits, run.averaging.exchange_timeout_s)
+        self.waits = CloseWaits(self.clock, self.admission, self.kept, self.stepper, wait_s)
         self.forwarder = Forwarder(self, stage, self.module, self.admission, self.clock, self.stepper, self.kept)
         self.backwarder = Backwarder(
             self, self.module, self.admission, self.kept, self.clock, self.stepper, self.transcripts
         )
         self.redo = Redo(self, stage, self.admission, self.kept, self.stepper, self.forwarder, self.backwarder)
-        self.closes = StepCloses(self.clock, self.admission, self.kept, self.stepper, self.averager, self.hooks)
+        self.closes = StepCloses(
+            self.clock, self.admission, self.kept, self.stepper, self.waits, self.averager, self.hooks
+        )
 
     @property
     def busy(self) -> bool:
@@ -154,8 +163,8 @@ class StageWorker(PipelineEngine):
 
     async def on_step_transcript(self, request: StepTranscriptRequest, stream: FramedStream, sender: str) -> None:
         """A data node audits the inner step that took one of its microbatches (shoal.train.step_audit)."""
-        if not await self.admission.is_data_node(sender):
-            reason = self.admission.refuse(sender, request.microbatch_id, "not a data node of this run")
+        if await self.admission.listed_data_node(sender) is None:
+            reason = self.admission.refuse(sender, request.microbatch_id, "not a listed data node of this run")
             await stream.write_message(Ack(accepted=False, reason=reason))
             return
         await self.transcripts.serve(request, stream)
@@ -182,8 +191,10 @@ class StageWorker(PipelineEngine):
         return None
 
     def on_view(self, view) -> None:
-        """A fresh view of the swarm (each heartbeat): forget what has expired."""
+        """A fresh view of the swarm (each heartbeat, and whenever a peer becomes suspect or leaves):
+        forget what has expired, and stop waiting for the closes of contributors that cannot send them."""
         self.kept.expire()
+        self.spawn(self.waits.settle(), "settle the step's waits")
 
     def on_peer_restarted(self, restarted: set[str], live: set[str]) -> None:
         """Restarted data nodes: none of what their old processes injected will come back."""

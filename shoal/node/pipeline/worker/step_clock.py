@@ -8,13 +8,14 @@ contributors). The inner step is due once every contributor has closed the step 
 to. A data node sends a step's forwards without waiting for its close of the step before to be
 answered, so a forward may overtake that close: it waits here for it. This module is the one place
 where contributors are counted and an inner step is found due; the `StepClose` handler that feeds
-it is closes.py.
+it is closes.py, and the rule for a contributor whose close never comes is waits.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from shoal.protocol.pipeline import ForwardRequest
 
@@ -39,6 +40,7 @@ class StepClock:
         self.handled: dict[str, int] = {}  # ... and was handled: stepped, and averaged when due
         # data node -> the latest of its steps whose gradient has accumulated here since our last step
         self.contributors: dict[str, int] = {}
+        self.awaited_since: dict[str, float] = {}  # contributor -> since when we wait for its close
         self.closed_step = -1  # the latest data-node step closed here (the backdoor's injection clock)
         self._news = asyncio.Condition()
 
@@ -46,16 +48,32 @@ class StepClock:
 
     def contributed(self, origin: str, step: int) -> None:
         """A gradient of data node `origin`'s step `step` accumulated here."""
+        if origin not in self.awaited():
+            self.awaited_since[origin] = time.monotonic()
         self.contributors[origin] = max(self.contributors.get(origin, -1), step)
+
+    def awaited(self) -> dict[str, int]:
+        """The contributors whose close of the step their gradient belongs to has not come yet."""
+        return {d: s for d, s in self.contributors.items() if self.heard.get(d, -1) < s}
 
     def step_due(self) -> bool:
         """Some gradient accumulated since our last inner step, and every data node it came from has
         closed the step it belongs to."""
-        return bool(self.contributors) and all(self.heard.get(d, -1) >= s for d, s in self.contributors.items())
+        return bool(self.contributors) and not self.awaited()
+
+    def release(self, origin: str, why: str) -> None:
+        """Wait no more for `origin`'s close (waits.py says when): what it contributed stays in the
+        gradient and goes into the inner step taken without it."""
+        step = self.contributors.pop(origin, None)
+        self.awaited_since.pop(origin, None)
+        if step is not None:
+            logger.warning("[%s] no longer waiting for %s to close step %d: %s", self.short_id, origin[-8:], step,
+                           why)  # fmt: skip
 
     def step_taken(self) -> None:
         """The inner step begins: what accumulated so far is in it, and waits for no close any more."""
         self.contributors = {}
+        self.awaited_since = {}
 
     # ---- closes -----------------------------------------------------------------------------------
 
@@ -126,5 +144,5 @@ class StepClock:
 
     def forget(self, origin: str) -> None:
         """A data node restarted under the same peer id: its new process counts anew."""
-        for clock in (self.heard, self.handled, self.contributors):
+        for clock in (self.heard, self.handled, self.contributors, self.awaited_since):
             clock.pop(origin, None)
