@@ -18,6 +18,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    RedoOutputRequest,
     ResumeForward,
     RouteNote,
     StageCopyRequest,
@@ -33,6 +34,7 @@ class EngineRpcs(Service):
     backward = Rpc(BackwardRequest, Ack, streamed=True, keep_alive=True, refusal="not ready")
     recompute = Rpc(RecomputeRequest, Ack, streamed=True, refusal="this node redoes no block stage")
     fetch_output = Rpc(OutputRequest, Ack, streamed=True, refusal="not ready")  # an Ack, then the tensor
+    redo_output = Rpc(RedoOutputRequest, Ack, streamed=True, refusal="this node redoes no block stage")  # as fetch
     step_close = Rpc(StepClose, Ack, keep_alive=True)
     # a data node's notes and its recovery of a lost hop
     abandon = Rpc(AbandonNotice, Ack, refusal="not ready")

@@ -86,6 +86,22 @@ class OutputRequest:
     hop: int
 
 
+@message("redo_out")
+class RedoOutputRequest:
+    """Compute again what hop `hop` of a microbatch sent on, whose holder is gone with it: asked by the
+    replica redoing the hop after it, which needs that as its input. Its own input is fetched as a
+    recompute's is, and where that hop's holder is gone too, redone the same way further upstream (the
+    data node's embedding output ends every walk). `route` names this peer at `hop` and the asker at
+    `hop + 1`. The reply is an Ack, then (if accepted) the tensor; nothing is kept."""
+
+    microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    origin: str = wire_field(max_len=MAX_ID_CHARS, token=True)
+    step: int
+    hop: int
+    route: tuple[Hop, ...] = wire_field(max_len=MAX_ROUTE_HOPS)
+    tokens: bytes = wire_field(max_len=MAX_TOKEN_BYTES, default=b"")  # as ForwardRequest.tokens
+
+
 @message("recover")
 class RecoverRequest:
     """From the data node: `lost_peer` held this microbatch in backward and left; if you sent it a
@@ -152,8 +168,9 @@ class Ack:
     onward_s: float | None = wire_field(ge=0.0, le=1e6, default=None)
 
 
-def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest) -> None:
-    """Refuse a hop index outside its route (forward: 0..len, backward: -1..len-1, recompute: 0..len-1)."""
+def check_hop(request: ForwardRequest | BackwardRequest | RecomputeRequest | RedoOutputRequest) -> None:
+    """Refuse a hop index outside its route (forward: 0..len, backward: -1..len-1, recompute and redo:
+    0..len-1)."""
     if isinstance(request, ForwardRequest):
         low, high = 0, len(request.route)
     elif isinstance(request, BackwardRequest):

@@ -23,7 +23,7 @@ from shoal.node.compute import BACKGROUND, BACKWARD, ComputeThread
 from shoal.node.engine import TrainedState, snapshot_trained
 from shoal.node.pipeline.hops import WIRE_MAX_ABS, HopFailed
 from shoal.node.rpcs import EngineRpcs
-from shoal.p2p.rpc import Rpc, StreamPool
+from shoal.p2p.rpc import BoundRpc, Rpc, StreamPool
 from shoal.p2p.streams import FramedStream, RemoteError, read_reply
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import (
@@ -34,6 +34,7 @@ from shoal.protocol.pipeline import (
     Hop,
     OutputRequest,
     RecomputeRequest,
+    RedoOutputRequest,
 )
 from shoal.protocol.tensors import DTYPE_SIZES, TensorSpec, wire_nbytes
 from shoal.protocol.torch_tensors import pack_tokens, unpack_tokens
@@ -85,6 +86,7 @@ class PipelineEngine:
         self.streams = StreamPool(ctx.transport)  # kept streams for this engine's hops and step closes
         self.rpc = EngineRpcs(ctx.transport, self.streams)
         self.recomputes_delegated = 0
+        self.outputs_redone = 0  # outputs of lost hops we had redone upstream (redo_output)
         self._view_read_at = 0.0
         self._view_read: asyncio.Future | None = None  # the fresh view read under way, if any (`listed`)
         m, t = self.run.model, self.run.train
@@ -276,15 +278,51 @@ class PipelineEngine:
 
     async def fetch_output(self, peer_id: str, microbatch_id: str, hop: int) -> torch.Tensor:
         """What `peer_id` sent to hop `hop + 1` of a microbatch (it keeps that until backward passes)."""
+        return await self._ask_for_tensor(
+            peer_id, self.rpc.fetch_output, OutputRequest(microbatch_id=microbatch_id, hop=hop)
+        )
+
+    async def redo_output(
+        self, request: RecomputeRequest | RedoOutputRequest, hop: int, failed: str, why: str
+    ) -> torch.Tensor:
+        """What hop `hop` of this microbatch sent on, computed again by a live replica of its stage: its
+        holder `failed` is gone with it. That replica gets its own input the same way, walking upstream
+        as far as it must. Raises HopFailed if no replica of the stage is left or none could."""
+        stage = request.route[hop].stage
+        prev = request.origin if hop == 0 else request.route[hop - 1].peer_id
+        tried = {failed}
+        while True:
+            peer = await self.wait_for_replacement(stage, tried, prev, self.ctx.peer_id)
+            if peer is None:
+                raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200], stage_lost=True)
+            route = list(request.route)
+            route[hop] = Hop(stage=stage, peer_id=peer)
+            redo = RedoOutputRequest(microbatch_id=request.microbatch_id, origin=request.origin,
+                                     step=request.step, hop=hop, route=tuple(route), tokens=request.tokens)  # fmt: skip
+            try:
+                output = await self._ask_for_tensor(peer, self.rpc.redo_output, redo)
+            except HopFailed as e:
+                if not e.refused:
+                    self.ban(peer, e)
+                tried.add(peer)
+                why = str(e)
+                continue
+            self.outputs_redone += 1
+            logger.info("[%s] %s: the output of hop %d (stage %d) redone by %s after: %s", self.ctx.short_id,
+                        request.microbatch_id, hop, stage, peer[-8:], why[:80])  # fmt: skip
+            return output
+
+    async def _ask_for_tensor(self, peer_id: str, rpc: BoundRpc, request: object) -> torch.Tensor:
+        """Send `request` and read back an Ack, then (if accepted) an activation."""
         timeout_s = self.ctx.config.network.rpc_timeout_s
         if peer_id == self.ctx.peer_id:
             raise HopFailed("an output asked of this node itself", refused=True)
         try:
-            stream = await self.rpc.fetch_output.open(peer_id, timeout_s)
+            stream = await rpc.open(peer_id, timeout_s)
         except Exception as e:
             raise HopFailed(f"cannot reach {peer_id[-8:]}: {type(e).__name__}") from None
         try:
-            await stream.write_message(OutputRequest(microbatch_id=microbatch_id, hop=hop))
+            await stream.write_message(request)
             ack = await read_reply(stream, Ack)
             if not ack.accepted:
                 raise HopFailed(f"{peer_id[-8:]} has no output for it: {printable(ack.reason, 160)}", refused=True)

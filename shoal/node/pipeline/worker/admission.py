@@ -18,7 +18,14 @@ from shoal.node.pipeline.worker.kept import KeptState, Saved
 from shoal.node.pipeline.worker.step_window import StepWindow
 from shoal.planning.paths import swap_count
 from shoal.planning.swarm_view import ROLE_DATA, NodeInfo
-from shoal.protocol.pipeline import BackwardRequest, ForwardRequest, Hop, RecomputeRequest, check_hop
+from shoal.protocol.pipeline import (
+    BackwardRequest,
+    ForwardRequest,
+    Hop,
+    RecomputeRequest,
+    RedoOutputRequest,
+    check_hop,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +61,9 @@ class Admission:
         logger.warning("[%s] refused %s from %s: %s", self.ctx.short_id, microbatch_id[:96], sender[-8:], why)
         return why
 
-    def check_hop(self, request: ForwardRequest | BackwardRequest | RecomputeRequest, sender: str) -> str | None:
+    def check_hop(
+        self, request: ForwardRequest | BackwardRequest | RecomputeRequest | RedoOutputRequest, sender: str
+    ) -> str | None:
         """Why the hop a request names is not ours to take, if it is not."""
         check_hop(request)
         if request.hop < 0 or request.hop >= len(request.route):
@@ -76,7 +85,9 @@ class Admission:
             refusal = self.window.refusal(step, training)
         return refusal
 
-    async def check_step(self, request: ForwardRequest | RecomputeRequest, sender: str) -> str | None:
+    async def check_step(
+        self, request: ForwardRequest | RecomputeRequest | RedoOutputRequest, sender: str
+    ) -> str | None:
         """Why the data node's step a training forward or a recompute names is not one we take (an
         evaluation forward's step moves nothing, and is only range-checked)."""
         training = not isinstance(request, ForwardRequest) or request.needs_backward
@@ -90,7 +101,7 @@ class Admission:
             refusal = self.refuse(sender, request.microbatch_id, "a forward comes only from the hop before ours")
         return refusal
 
-    def check_recompute(self, request: RecomputeRequest, sender: str) -> str | None:
+    def check_recompute(self, request: RecomputeRequest | RedoOutputRequest, sender: str) -> str | None:
         refusal = self.check_hop(request, sender)
         home = request.hop + 1 == len(request.route)
         if refusal is None and sender != (request.origin if home else request.route[request.hop + 1].peer_id):

@@ -3,6 +3,8 @@
 - Recompute (`RecomputeRequest`): the holder of a hop died with its graph; the hop after it, holding
   the gradient, has a replica of the same stage (us) redo just that hop: the forward from the input
   the hop before kept (`OutputRequest`, which we answer too), then the backward.
+  Where the hop before is gone too, its output is redone by a replica of its stage
+  (`RedoOutputRequest`), which walks upstream the same way, to the data node's own input at the end.
 - Recover (`RecoverRequest`): the data node saw the peer we passed a gradient to leave; the gradient
   we kept has its hop redone by another replica.
 - Resume (`ResumeForward`): the data node lost the hop after ours; the output we keep, or the one we
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from shoal.logs import printable
 from shoal.node.compute import BACKWARD
 from shoal.node.engine import AbandonReason
 from shoal.node.pipeline.base import PipelineEngine, push_forward
@@ -33,6 +36,7 @@ from shoal.protocol.pipeline import (
     OutputRequest,
     RecomputeRequest,
     RecoverRequest,
+    RedoOutputRequest,
     ResumeForward,
 )
 
@@ -58,6 +62,7 @@ class Redo:
         self.recomputed = 0
         self.recompute_s = 0.0
         self.resumed = 0  # forwards passed on again for the data node, after the hop after ours was lost
+        self.outputs_redone = 0  # outputs of a lost hop of our stage computed again for the hop after it
 
     # ---- recompute --------------------------------------------------------------------------------
 
@@ -88,9 +93,8 @@ class Redo:
     async def _recompute(self, request: RecomputeRequest, grad: torch.Tensor, tokens: torch.Tensor | None) -> None:
         started = time.monotonic()
         mb = request.microbatch_id
-        source = request.origin if request.hop == 0 else request.route[request.hop - 1].peer_id
         try:
-            x = await self.hops.fetch_output(source, mb, request.hop - 1)
+            x = await self._input(request)
         except HopFailed as e:
             await notify_abandon(
                 self.ctx,
@@ -119,6 +123,43 @@ class Redo:
         self.recomputed += 1
         await self.backwarder.backward(as_backward, saved, grad)
         self.recompute_s += time.monotonic() - started
+
+    async def _input(self, request: RecomputeRequest | RedoOutputRequest) -> torch.Tensor:
+        """The input of hop `request.hop`: what the hop before kept, or, where that hop's holder is gone
+        with it, that hop's output redone by a live replica of its stage, which gets its own input the
+        same way: the walk upstream ends at the data node's embedding output at the latest, so two
+        (or more) consecutive hops lost cost their recomputes, not the microbatch."""
+        hop, mb = request.hop, request.microbatch_id
+        if hop == 0:
+            return await self.hops.fetch_output(request.origin, mb, -1)  # the data node gone: nothing to redo from
+        holder = request.route[hop - 1].peer_id
+        try:
+            return await self.hops.fetch_output(holder, mb, hop - 1)
+        except HopFailed as lost:
+            return await self.hops.redo_output(request, hop - 1, holder, f"input lost: {lost}")
+
+    async def on_redo_output(self, request: RedoOutputRequest, stream: FramedStream, sender: str) -> None:
+        """The replica redoing the hop after ours lost its input with our stage's holder: compute what
+        that holder sent on, from its own input (walking further upstream if that is gone too), and send
+        it. Nothing is kept: the hop's backward, when it comes, is a recompute of its own."""
+        if request.hop + 1 >= len(request.route):
+            await self.hops.serve_output(None, "the hop after ours is the data node: it asks no redo", stream)
+            return
+        refusal = self.admission.check_recompute(request, sender) or await self.admission.check_step(request, sender)
+        if refusal is None and not await self.hops.listed(sender, (request.route[request.hop + 1].stage,)):
+            refusal = self.admission.refuse(sender, request.microbatch_id, "a redo is asked only by a listed worker")
+        if refusal is not None:
+            await self.hops.serve_output(None, refusal, stream)
+            return
+        try:
+            x = await self._input(request)
+        except HopFailed as e:
+            await self.hops.serve_output(None, f"its input is lost too: {printable(str(e), 120)}", stream)
+            return
+        tokens = self.hops.read_tokens(request.tokens, x)
+        _, y, _ = await self.hops.compute(self.forwarder.run_forward, x, tokens, False, priority=BACKWARD)
+        self.outputs_redone += 1
+        await self.hops.serve_output(y, "", stream)
 
     async def on_fetch_output(self, request: OutputRequest, stream: FramedStream, sender: str) -> None:
         """A replica redoing the hop after ours asks for its input again: what we sent it."""

@@ -111,6 +111,7 @@ class StageWorker(PipelineEngine):
             EngineRpcs.backward: self.backwarder.on_backward,
             EngineRpcs.recompute: self.redo.on_recompute,
             EngineRpcs.fetch_output: self.redo.on_fetch_output,
+            EngineRpcs.redo_output: self.redo.on_redo_output,
             EngineRpcs.abandon: self.kept.on_abandon,
             EngineRpcs.recover: self.redo.on_recover,
             EngineRpcs.resume_forward: self.redo.on_resume_forward,
@@ -219,6 +220,8 @@ class StageWorker(PipelineEngine):
             "collision_s": round(self.compute_thread.collision_s, 4),
             "forwards_resumed": self.redo.resumed,
             "recomputes_delegated": self.recomputes_delegated,
+            "outputs_redone": self.redo.outputs_redone,  # for the hop after ours, its input lost
+            "outputs_redone_asked": self.outputs_redone,  # asked of replicas upstream
             "stream_retries": self.stream_retries,
             **self.streams.stats(),
             "copies_served": self.copies_served,
