@@ -1,5 +1,6 @@
 """A node with a --state-dir that is killed and started again comes back as itself: the same peer
-id, its stage, its saved weights and counters, and the swarm loses no microbatch over it. A corrupt
+id, its stage, its saved weights and counters, and the swarm loses no microbatch over it; where its
+only initial peer died meanwhile, it joins through the live peers its state dir kept. A corrupt
 state file is refused with one clear line, and nothing on disk changes."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 
 from shoal.dht.identity import load_identity
 from shoal.model.stages import build_stage
+from shoal.node.state.peers import known_peers
 from shoal.node.state.store import MANIFEST, SavedState, StateDir
 from shoal.p2p.restarts import RestartWatch
 from shoal.planning.swarm_view import NodeInfo, SwarmView
@@ -34,7 +36,8 @@ def _files(state_dir) -> dict[str, bytes]:
 @pytest.mark.timeout(300)
 def test_a_killed_worker_comes_back_as_itself_with_its_saved_weights_and_nothing_is_lost(swarm, tmp_path):
     run_file = write_tiny_run(tmp_path, **{"train.steps": 20})
-    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    bootstrap = swarm.start_bootstrap("--run-config", str(run_file))
+    entry = bootstrap.maddrs[0]
     common = ("--record-ttl", TTL, "--role", "worker")
     state = tmp_path / "state"
     keep = ("--state-dir", str(state), "--save-every-s", "0.5")
@@ -52,13 +55,16 @@ def test_a_killed_worker_comes_back_as_itself_with_its_saved_weights_and_nothing
 
     wait_until(lambda: "holding the gradient" in kept.log(), 120, "the hold at step 8")
     wait_until(lambda: _manifest(state).get("inner_step", 0) >= 5, 120, "a save at inner step 5")
+    wait_until(lambda: len(known_peers(state)) >= 2, 60, "the live peers kept in the state dir")
     swarm.kill(kept)  # SIGKILL: stage 2's only replica, and everything it held in flight
+    swarm.kill(bootstrap)  # and the only initial peer it is given again: it joins through those it kept
     saved = _manifest(state)
     assert (saved["peer_id"], saved["stage"], saved["role"]) == (kept.peer_id, 2, "worker")
 
     # no --stage this time: it takes its saved stage back because the swarm still needs it
     again = swarm.start_node([entry], *common, *keep, "--stats-file", str(tmp_path / "again.json"))
     assert again.peer_id == kept.peer_id and again.stage == 2
+    assert "more seen live before this restart" in again.log()
     assert f"resumed stage 2 from {state} (inner step {saved['inner_step']}," in again.log()
 
     done = wait_until(lambda: done_event(progress), 180, "the data node to finish")

@@ -36,11 +36,33 @@ from shoal.planning.swarm_view import SwarmView, stage_misfit
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+LIBP2P_START_TRIES = 3
 LEFT_OUT_KEPT = 256  # records left out of views that were logged: each is logged once while kept
 
 
 class _JoinFailed(Exception):
     """The initial peers gave no way into the swarm (this time)."""
+
+
+async def _start_libp2p(identity: Identity, startup_timeout_s: float, **options: Any) -> P2P:
+    """Start the libp2p daemon. A start that fails otherwise than by its initial peers (it ran out of
+    time, or the daemon exited without a word: both seen on a 2-core machine shared by eight nodes) is
+    tried again, each try waiting twice as long as the one before; the last failure is one clear line."""
+    wait_s = startup_timeout_s
+    for attempt in range(1, LIBP2P_START_TRIES + 1):
+        try:
+            async with _key_file(identity) as key_path:
+                return await P2P.create(identity_path=key_path, startup_timeout=wait_s, **options)
+        except Exception as e:
+            if options.get("initial_peers") and "bootstrap" in str(e):
+                raise _JoinFailed("none of them answered") from e
+            if attempt == LIBP2P_START_TRIES:
+                raise UsageError(f"could not start the libp2p daemon in {attempt} tries (the last waited "
+                                 f"{wait_s:.0f} s): {e}; on a machine this busy, start again later") from e  # fmt: skip
+            logger.warning("the libp2p daemon did not start (%s): trying again, waiting up to %.0f s",
+                           str(e)[:160], 2 * wait_s)  # fmt: skip
+            wait_s *= 2
+    raise AssertionError("unreachable")
 
 
 @asynccontextmanager
@@ -123,24 +145,18 @@ class SwarmDHT:
         use_relay: bool,
         use_auto_relay: bool,
     ) -> SwarmDHT:
-        try:
-            async with _key_file(identity) as key_path:
-                p2p = await P2P.create(
-                    initial_peers=list(initial_peers) or None,
-                    host_maddrs=list(host_maddrs),
-                    announce_maddrs=list(announce_maddrs) or None,
-                    identity_path=key_path,
-                    check_if_identity_free=not identity.created,  # a key made just now is nobody else's
-                    dht_mode="client" if client_mode else "server",
-                    nat_port_map=False,  # no UPnP multicast onto the local network
-                    use_relay=use_relay,
-                    use_auto_relay=use_auto_relay,
-                    startup_timeout=startup_timeout_s,
-                )
-        except Exception as e:
-            if initial_peers and "bootstrap" in str(e):
-                raise _JoinFailed("none of them answered") from e
-            raise UsageError(f"could not start the libp2p daemon: {e}") from e
+        p2p = await _start_libp2p(
+            identity,
+            startup_timeout_s,
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) or None,
+            check_if_identity_free=not identity.created,  # a key made just now is nobody else's
+            dht_mode="client" if client_mode else "server",
+            nat_port_map=False,  # no UPnP multicast onto the local network
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
+        )
         try:
             node = await DHTNode.create(
                 p2p=p2p,

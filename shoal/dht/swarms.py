@@ -97,6 +97,11 @@ def sign_swarm(
     return document
 
 
+def valid_peer_maddr(maddr: str) -> bool:
+    """Whether `maddr` is a multiaddress a node can join through: /ip4|ip6|dns4|dns6/HOST/tcp/PORT/p2p/ID."""
+    return PEER.fullmatch(maddr) is not None and 0 < int(maddr.split("/")[4]) < 65536
+
+
 def check_name_and_description(name: str, description: str) -> None:
     """What a host chooses for its swarm, checked before its bootstrap peer starts (UsageError)."""
     _check_fields(SwarmDocument(name, description, (_EXAMPLE_PEER,), (), False, "", ""), "--publish-swarm")
@@ -116,7 +121,7 @@ def _check_fields(d: SwarmDocument, where: str) -> None:
     if not 1 <= len(d.initial_peers) <= MAX_PEERS:
         refuse("initial_peers", f"must list 1 to {MAX_PEERS} multiaddresses")
     for peer in d.initial_peers:
-        if PEER.fullmatch(peer) is None or not 0 < int(peer.split("/")[4]) < 65536:
+        if not valid_peer_maddr(peer):
             refuse("initial_peers", f"has {peer!r}, not of the form /ip4|ip6|dns4|dns6/HOST/tcp/PORT/p2p/PEER_ID")
     if len(d.runs) > MAX_RUNS:
         refuse("runs", f"must list at most {MAX_RUNS} run names")

@@ -42,6 +42,7 @@ from shoal.node.reports import MemorySampler, node_stats, write_ready_file
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.run_source import resolve_run, run_checkpoint
 from shoal.node.state.keeper import Holder, StateKeeper
+from shoal.node.state.peers import PeerMemory, known_peers
 from shoal.node.view import ViewKeeper
 from shoal.p2p import reachability
 from shoal.p2p.health import node_handlers
@@ -93,6 +94,7 @@ class Node:
         self._maddrs: list[str] = []
         self.checkpoint: Checkpoint | None = None  # the run's checkpoint on this machine (run_checkpoint)
         self.keeper: StateKeeper | None = None  # --state-dir: saves this node's state, resumes from it
+        self.peer_memory: PeerMemory | None = None  # --state-dir: the live peers a restart joins through
         self.reachable: bool | None = None  # the reachability self-check's verdict (None: not checked yet)
         self.errors: Counter[str] = Counter()  # by kind, for the metrics (see metrics.ERROR_KINDS)
         self.metrics: MetricsServer | None = None
@@ -108,9 +110,15 @@ class Node:
                 raise UsageError(str(e)) from None
         keeper = StateKeeper.open(config.state.state_dir, config.state.save_every_s) if config.state.state_dir else None
         identity = load_identity(config.identity_file)
+        remembered = known_peers(config.state.state_dir) if config.state.state_dir else ()
+        initial_peers = list(dict.fromkeys([*config.network.initial_peers, *remembered]))
+        if len(initial_peers) > len(config.network.initial_peers):
+            logger.info("joining through %d initial peer(s) and %d more seen live before this restart (%s)",
+                        len(config.network.initial_peers), len(initial_peers) - len(config.network.initial_peers),
+                        config.state.state_dir)  # fmt: skip
         dht = await SwarmDHT.create(
             identity,
-            config.network.initial_peers,
+            initial_peers,
             config.network.host_maddrs,
             config.network.announce_maddrs,
             use_relay=config.network.use_relay,
@@ -136,6 +144,8 @@ class Node:
             logger.info("[%s] %s", node.short_id, node.machine.describe(run))
             node.checkpoint = checkpoint
             node.keeper = keeper
+            if config.state.state_dir:
+                node.peer_memory = PeerMemory(config.state.state_dir, dht.peer_id, config.state.save_every_s)
             node.metrics = metrics = await serve_node_metrics(node)
             await node._start()
         except BaseException:
@@ -352,6 +362,8 @@ class Node:
             try:
                 await self.views.refresh()
                 raw = self.views.raw_view
+                if self.peer_memory is not None:
+                    self.peer_memory.remember(raw)
                 live = [n.peer_id for n in raw.live_nodes()] if raw is not None else []
                 self.links.forget(set(live))
                 for peer in await self.links.ping_round(live, preferred=set()):
