@@ -240,9 +240,11 @@ def no_replica_after(swarm: ChurnSwarm, stage: int, at: float) -> float:
 
 
 def joins(swarm: ChurnSwarm, logs: dict) -> dict:
-    """How each restarted worker got its stage: copied, repaired, started fresh (from the
-    initialisation, or with no word of either), or it was not active yet when the run ended."""
-    counts = {"copied": 0, "repaired": 0, "started fresh": 0, "not active by the end": 0, "first start": 0}
+    """How each restarted worker got its stage: copied, restored from a neighbour's backup, repaired
+    (rebuilt by the run's rule), started fresh (from the initialisation, or with no word of either), or
+    it was not active yet when the run ended."""
+    counts = {"copied": 0, "restored from a backup": 0, "repaired": 0, "started fresh": 0,
+              "not active by the end": 0, "first start": 0}  # fmt: skip
     fresh: list[str] = []
     for slot in swarm.slots:
         if slot.stage is None:
@@ -254,6 +256,8 @@ def joins(swarm: ChurnSwarm, logs: dict) -> dict:
                 counts["not active by the end"] += 1
             elif "copied stage" in log:
                 counts["copied"] += 1
+            elif "restored from the backup" in log:
+                counts["restored from a backup"] += 1
             elif "rebuilt by" in log:
                 counts["repaired"] += 1
             else:

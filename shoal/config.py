@@ -291,6 +291,7 @@ def _validate(cfg: RunConfig) -> None:
     )
     need(r.lr_scale > 0, "repair.lr_scale", f"must be positive, got {r.lr_scale}")
     need(1 <= r.edge_copy_every <= 100_000, "repair.edge_copy_every", f"must be in 1..100000, got {r.edge_copy_every}")
+    need(0 <= r.backup_every <= 100_000, "repair.backup_every", f"must be in 0..100000, got {r.backup_every}")
     need(
         r.weights_from in ("unclipped", "clipped"),
         "repair.weights_from",

@@ -104,8 +104,12 @@ class RepairConfig:
     lr_scale: float = 1.1  # the rebuilt stage's fresh optimizer runs at this multiple of the schedule
     weights_from: str = "unclipped"  # the gradient norm that weighs the neighbours: unclipped or clipped
     # checkfree_plus: the workers of stage 0's neighbours (stages 1 and S-1) copy it every this many of
-    # their inner steps, so that a lost stage 0 comes back from a copy (shoal/node/stage/edge_copy.py)
+    # their inner steps, so that a lost stage 0 comes back from a copy (shoal/node/stage/kept_copies.py)
     edge_copy_every: int = 10
+    # stage backups (beyond the papers): the workers of each block stage keep a copy of the one before
+    # it (the first keeps the last), refreshed every this many of their inner steps; a stage that loses
+    # every replica is restored from it before any rebuild by `rule` is tried. 0: no backups.
+    backup_every: int = 10
 
     @property
     def swaps(self) -> float:

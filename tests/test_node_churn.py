@@ -107,7 +107,8 @@ def test_the_simulator_and_real_daemons_count_the_same_for_one_crash_in_backward
 # The data node evaluates after every step: validation loss has none of a training batch's noise (one
 # step's training loss moves by ~0.1 from batch to batch, more than the two rules differ by).
 REPAIR_RUN = {"train.steps": 48, "model.n_layers": 3, "pipeline.stages": 4, "averaging.mode": "none",
-              "model.init_std": 0.2, "optim.lr": 2e-3, "repair.swap_share": 0.5, "train.eval_every": 1}  # fmt: skip
+              "model.init_std": 0.2, "optim.lr": 2e-3, "repair.swap_share": 0.5, "train.eval_every": 1,
+              "repair.backup_every": 0}  # fmt: skip
 WIPED_AT = 27  # stage 2's replica dies as step 27's first forward reaches it: steps 0-26 are its last
 # Validation loss back under its value after step 26, counted from the repair. Live: CheckFree+ 5 steps
 # (jump 0.20), random 7 (jump 0.40); benchmarks/repair_wipe_steps.py has the same run in process give

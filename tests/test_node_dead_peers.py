@@ -28,7 +28,14 @@ def _first_logged(log: str, pattern: str) -> float | None:
 
 def test_a_joiner_whose_only_listed_donor_is_dead_repairs_from_the_neighbours(swarm, tmp_path):
     run_file = write_tiny_run(
-        tmp_path, **{"train.steps": 40, "pipeline.stages": 4, "model.n_layers": 3, "averaging.mode": "none"}
+        tmp_path,
+        **{
+            "train.steps": 40,
+            "pipeline.stages": 4,
+            "model.n_layers": 3,
+            "averaging.mode": "none",
+            "repair.backup_every": 0,
+        },  # the rebuild by the rule, which a backup would have spared
     )
     entry = swarm.start_bootstrap("--run-config", str(run_file), "--record-ttl", TTL).maddrs[0]
     common = ("--record-ttl", TTL, "--role", "worker")

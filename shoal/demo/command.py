@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repair",
         choices=REPAIR_RULES,
         default=None,
-        help="how a lost stage is rebuilt (default: the run's, checkfree); checkfree_plus also swaps edge stages",
+        help="how a lost stage is rebuilt (default: from a neighbour's backup, else the run's rule, checkfree); "
+        "naming a rule turns the backups off, so that the rule is what runs; checkfree_plus also swaps edge stages",
     )
     parser.add_argument(
         "--averaging",
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.averaging is not None:
         run_config = run_config.replace(averaging_overrides(args.averaging))
     if args.repair is not None:
-        run_config = run_config.replace({"repair.rule": args.repair})
+        run_config = run_config.replace({"repair.rule": args.repair, "repair.backup_every": 0})
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = with_local_data(run_config, default_corpus_path())
     console = Console(stderr=True)

@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 from shoal.node.context import NodeContext
 from shoal.node.engine import Repair
 from shoal.node.stage.copy import FetchedStage, StageHolder, adopt_stage, fetch_stage
+from shoal.node.stage.kept_copies import backup_keepers, restore_from_backup
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer
 from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild
@@ -61,6 +62,10 @@ async def repair_stage(worker: StageHolder, dead: Collection[str] = ()) -> Repai
     from the initialisation). `dead`: listed replicas of ours that are gone (named in the log line)."""
     ctx = worker.ctx
     run = ctx.run
+    if run.repair.backup_every and backup_keepers(run.pipeline.stages, worker.stage):
+        restored = await restore_from_backup(worker, dead)
+        if restored is not None:
+            return restored
     started = time.monotonic()
     stages = run.pipeline.stages
     available = {s for s in range(1, stages) if s != worker.stage and _holders(ctx, s, dead)}

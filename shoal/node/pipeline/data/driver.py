@@ -37,7 +37,7 @@ from shoal.node.pipeline.data.step_audits import StepAuditor
 from shoal.node.pipeline.data.steps import StepLoop
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
-from shoal.node.stage.edge_copy import recover_stage0
+from shoal.node.stage.kept_copies import recover_stage0
 from shoal.p2p.rpc import Rpc
 from shoal.p2p.streams import FramedStream
 from shoal.planning.observed import Trip
@@ -203,7 +203,7 @@ class DataDriver(PipelineEngine):
         the most trained live data node, and goes on from that node's step (NoLoCo pairs replicas of
         the same outer epoch, and epochs follow steps); its batches are still its own shard's. Where no
         data node gave it and the run repairs with CheckFree+, it takes the copy stage 0's neighbours
-        keep (edge_copy.py)."""
+        keep (kept_copies.py)."""
         source = None
         if self.averager is not None:
             source = (await join_stage(self)).source

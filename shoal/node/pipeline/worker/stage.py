@@ -48,7 +48,7 @@ from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.pipeline.worker.waits import CloseWaits, close_wait_s
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
-from shoal.node.stage.edge_copy import EdgeCopyKeeper, keeps_edge_copy
+from shoal.node.stage.kept_copies import StageCopyKeeper, backed_up_stage, keeps_edge_copy
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.p2p.rpc import Rpc
 from shoal.p2p.streams import FramedStream
@@ -73,9 +73,14 @@ class StageWorker(PipelineEngine):
         self.failed_donors: frozenset[str] = frozenset()  # listed replicas that did not give their weights
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
         self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
-        self.edge_copy: EdgeCopyKeeper | None = None  # CheckFree+: our copy of stage 0, if we neighbour it
+        # copies of neighbouring stages we keep, by stage (kept_copies.py): stage 0 under CheckFree+, where
+        # we neighbour it, and the backup of the block stage before ours
+        self.kept_copies: dict[int, StageCopyKeeper] = {}
         if keeps_edge_copy(run.repair.rule, run.pipeline.stages, stage):
-            self.edge_copy = EdgeCopyKeeper(self, run.repair.edge_copy_every)
+            self.kept_copies[0] = StageCopyKeeper(self, 0, run.repair.edge_copy_every, "CheckFree+")
+        backed_up = backed_up_stage(run.pipeline.stages, stage)
+        if run.repair.backup_every and backed_up is not None:
+            self.kept_copies[backed_up] = StageCopyKeeper(self, backed_up, run.repair.backup_every, "backup")
         # for data nodes' step audits
         self.transcripts = StepRecorder(run.defense.step_audit_rate > 0, compute_kind(ctx.device, ctx.compute_dtype))
         # The protocols, each handed the state it keeps or reads; `self` is passed as the PipelineEngine
@@ -131,8 +136,8 @@ class StageWorker(PipelineEngine):
                            self.hooks.stage_attack_name)  # fmt: skip
         if self.averager is not None:
             await self.averager.start()
-        if self.edge_copy is not None:
-            self.spawn(self.edge_copy.run(), "edge-copy")
+        for kept in self.kept_copies.values():
+            self.spawn(kept.run(), f"copy of stage {kept.stage}")
 
     def progress(self) -> Progress:
         averager = self.averager
@@ -171,8 +176,9 @@ class StageWorker(PipelineEngine):
         await self.transcripts.serve(request, stream)
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
-        if request.stage == 0 and self.edge_copy is not None:
-            await self.edge_copy.serve(stream)  # CheckFree+: a data node rebuilding stage 0
+        kept = self.kept_copies.get(request.stage) if request.stage != self.stage else None
+        if kept is not None:
+            await kept.serve(stream)  # a node restoring a lost stage we keep a copy of
             return
         await serve_stage_copy(self, request, stream)
         self.copies_served += 1
@@ -228,5 +234,6 @@ class StageWorker(PipelineEngine):
             "transcripts_served": self.transcripts.served,
             "adversary": self.hooks.stage_attack_name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
-            "edge_copy": self.edge_copy.stats() if self.edge_copy is not None else None,
+            "edge_copy": self.kept_copies[0].stats() if 0 in self.kept_copies else None,
+            "backup": next((k.stats() for s, k in self.kept_copies.items() if s != 0), None),
         }
