@@ -13,7 +13,8 @@ from shoal.device import DeviceInfo, PeakMemory, autocast, autocast_dtype, synch
 from shoal.model.llama import BlockStage
 from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_stage, stage_layers
-from shoal.planning.memory import GIB, StageMemory, stage_memory
+from shoal.planning.backups import backed_up_stage, keeps_edge_copy
+from shoal.planning.memory import GIB, StageMemory, stage_memory, stage_params
 from shoal.planning.memory import inflight_budget as memory_inflight_budget
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState
@@ -64,9 +65,14 @@ def tokens_per_s(run: RunConfig, block_throughput: float) -> float:
 
 def stage_need(run: RunConfig, stage: int) -> StageMemory:
     """What holding `stage` of this run takes (planning/memory.py), at its largest sequence length."""
-    blocks = len(stage_layers(run.model.n_layers, run.pipeline.stages, stage))
+    stages = run.pipeline.stages
+    blocks = len(stage_layers(run.model.n_layers, stages, stage))
     averages = run.averaging.mode != "none"
-    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages)
+    kept = [0] if keeps_edge_copy(run.repair.rule, stages, stage) else []
+    backed_up = backed_up_stage(stages, stage) if run.repair.backup_every else None
+    kept += [backed_up] if backed_up is not None else []
+    kept_params = sum(stage_params(run.model, len(stage_layers(run.model.n_layers, stages, s)), s) for s in kept)
+    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages, kept_params)
 
 
 def memory_for_stages(info: DeviceInfo, limit_gib: float | None) -> int:

@@ -57,14 +57,22 @@ def stage_params(model: ModelConfig, blocks: int, stage: int) -> int:
 
 
 def stage_memory(
-    model: ModelConfig, microbatch_size: int, seq_len: int, blocks: int, stage: int, averages: bool
+    model: ModelConfig,
+    microbatch_size: int,
+    seq_len: int,
+    blocks: int,
+    stage: int,
+    averages: bool,
+    kept_params: int = 0,
 ) -> StageMemory:
-    """The memory of stage `stage` holding `blocks` blocks (stage 0: the embedding, norm and head)."""
+    """The memory of stage `stage` holding `blocks` blocks (stage 0: the embedding, norm and head);
+    `kept_params`: the parameters of neighbouring stages its workers keep copies of (θ and φ each:
+    a block stage's backup, CheckFree+'s copy of stage 0), held on the host."""
     params = stage_params(model, blocks, stage)
     # weights, gradients, AdamW's moments, outer φ and momentum, and one more for the step's temporaries
     # (gradient clipping's and the fused AdamW's)
     copies = 1 + 1 + 2 + (2 if averages else 0) + 1
-    fixed = FLOAT_BYTES * params * copies
+    fixed = FLOAT_BYTES * (params * copies + 2 * kept_params)
     tokens = microbatch_size * seq_len
     if stage == 0:
         # per microbatch: its embedding output, kept until the gradient comes home; once at a time: the

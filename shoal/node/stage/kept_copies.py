@@ -39,6 +39,7 @@ from shoal.model.stages import build_stage
 from shoal.node.engine import Repair
 from shoal.node.stage.copy import WIRE_DTYPE, DonorBusy, FetchedStage, StageHolder, adopt_stage, fetch_stage
 from shoal.p2p.streams import FramedStream
+from shoal.planning.backups import backup_keepers
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.protocol.pipeline import Ack, StageCopy
 from shoal.train.inner import InnerOptimizer
@@ -46,24 +47,6 @@ from shoal.train.inner import InnerOptimizer
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
-
-
-def keeps_edge_copy(rule: str, stages: int, stage: int) -> bool:
-    """Whether a worker of `stage` keeps a copy of stage 0: under CheckFree+, stage 0's neighbours."""
-    return rule == "checkfree_plus" and stage in (1, stages - 1)
-
-
-def backed_up_stage(stages: int, stage: int) -> int | None:
-    """The block stage whose backup a worker of block stage `stage` keeps: the one before it, the
-    first block stage keeping the last (None where the run has a single block stage)."""
-    if stages < 3 or not 1 <= stage < stages:
-        return None
-    return stage - 1 if stage > 1 else stages - 1
-
-
-def backup_keepers(stages: int, stage: int) -> list[int]:
-    """The block stages whose workers keep a backup of `stage`."""
-    return [s for s in range(1, stages) if backed_up_stage(stages, s) == stage]
 
 
 def stage_reference(run: RunConfig, stage: int) -> list[torch.Tensor]:

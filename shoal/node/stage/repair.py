@@ -20,7 +20,8 @@ from hivemind.utils import get_dht_time
 from shoal.node.context import NodeContext
 from shoal.node.engine import Repair
 from shoal.node.stage.copy import FetchedStage, StageHolder, adopt_stage, fetch_stage
-from shoal.node.stage.kept_copies import backup_keepers, restore_from_backup
+from shoal.node.stage.kept_copies import restore_from_backup
+from shoal.planning.backups import backup_keepers
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer
 from shoal.train.repair import Neighbour, fresh_weights, plan_repair, rebuild

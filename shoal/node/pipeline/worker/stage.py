@@ -48,10 +48,11 @@ from shoal.node.pipeline.worker.transcripts import StepRecorder
 from shoal.node.pipeline.worker.waits import CloseWaits, close_wait_s
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
-from shoal.node.stage.kept_copies import StageCopyKeeper, backed_up_stage, keeps_edge_copy
+from shoal.node.stage.kept_copies import StageCopyKeeper
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.p2p.rpc import Rpc
 from shoal.p2p.streams import FramedStream
+from shoal.planning.backups import backed_up_stage, keeps_edge_copy
 from shoal.protocol.pipeline import Ack, StageCopyRequest, StepTranscriptRequest
 from shoal.train.inner import InnerOptimizer
 
