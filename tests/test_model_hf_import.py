@@ -201,3 +201,25 @@ def test_a_swarm_of_real_daemons_serves_an_imported_checkpoint_with_transformers
     assert done["microbatches_abandoned"] == 0 and done["steps"] == 2
     assert done["probe"] == {"probes": 16, "answered": 16, "hits": 16, "share": 1.0}
     assert first.alive and second.alive and copied.alive
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_shoal_demo_hands_its_nodes_an_imported_runs_checkpoint_and_trains_it(tmp_path):
+    """`shoal demo --run-config` on a run with `[model] from`: its nodes start with `--checkpoint`, as a
+    volunteer would have the files, so none refuses for want of them, and the swarm trains; the data is
+    read with the checkpoint's tokenizer (a tokenizer trained to the model's vocabulary would not be it)."""
+    folder = tmp_path / "hf"
+    write_checkpoint(folder)
+    run_file = write_run(tmp_path, folder)
+    report_dir = tmp_path / "report"
+    argv = [sys.executable, "-m", "shoal.cli", "demo", "--run-config", str(run_file), "--steps", "4",
+            "--workers-per-stage", "1", "--quiet", "--report", str(report_dir),
+            "--workdir", str(tmp_path / "work")]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["steps"] == 4 and report["microbatches_abandoned"] == 0
+    assert report["microbatches_completed"] == report["microbatches_injected"] > 0
+    logs = "".join(p.read_text() for p in (tmp_path / "work").glob("*.log"))
+    assert "--checkpoint" not in logs and "starting from the initialisation" not in logs

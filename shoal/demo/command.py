@@ -22,7 +22,7 @@ from pathlib import Path
 from shoal.config import REPAIR_RULES
 from shoal.device import DEVICE_HELP
 from shoal.errors import UsageError
-from shoal.train.command import add_run_arguments, resolve_run
+from shoal.train.command import add_run_arguments, resolve_run_source
 
 
 def averaging_overrides(mode: str) -> dict:
@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         from shoal.demo.grpo import run as run_grpo
 
         return run_grpo(args)
-    run_config = resolve_run(args)
+    source = resolve_run_source(args)
+    run_config = source.config
     if args.workers_per_stage < 1:
         raise UsageError("--workers-per-stage must be at least 1")
     if (args.kill_stage is None) != (args.at_step is None):
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     from shoal.demo.launcher import POLL_S, RENDER_EVERY_S, LocalSwarm, ProgressTail
     from shoal.demo.report import build_report
+    from shoal.model.checkpoint import verify
     from shoal.model.corpus import default_corpus_path
     from shoal.train.data import load_token_splits, with_local_data
 
@@ -137,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = with_local_data(run_config, default_corpus_path())
     console = Console(stderr=True)
+    # an imported run: every node is handed the checkpoint, as a volunteer would have it on disk, and the
+    # data is read with its tokenizer
+    checkpoint = verify(source.checkpoint_dir, run_config.model) if source.checkpoint_dir is not None else None
     console.print(f"preparing data: {run_config.data.path}")
-    load_token_splits(run_config.data, run_config.model.vocab_size)  # trains + caches the tokenizer once
+    tokenizer_file = checkpoint.tokenizer_file if checkpoint is not None else None
+    load_token_splits(run_config.data, run_config.model.vocab_size, tokenizer_file)  # trains + caches it once
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="shoal-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     swarm = LocalSwarm(workdir)
     node_args = ["--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--microbatch-timeout", "30",
                  "--device", args.device]  # fmt: skip
+    if checkpoint is not None:
+        node_args += ["--checkpoint", str(checkpoint.path.resolve())]
     crash: dict = {}
     wipe: dict = {}
     restarts = Restarts(swarm, entry="", node_args=node_args, workdir=workdir, after_s=args.restart_after)
