@@ -1,7 +1,7 @@
 """Fast churn: how much of its speed a swarm keeps when a node is SIGKILLed every K seconds, and where
 the time after each kill goes.
 
-    .venv/bin/python benchmarks/churn_speed.py                 # K = 30, 15, 7 and no kills, 250 steps: ~20 min
+    .venv/bin/python benchmarks/churn_speed.py                 # K = 30, 15, 7, 4, paired at 7, no kills: ~30 min
     .venv/bin/python benchmarks/churn_speed.py --steps 80 --every 15   # a quick look
 
 The same swarm, run, data and seed each time: the bundled `tiny` run (3 stages), a bootstrap peer,
@@ -11,6 +11,9 @@ workers *and the bootstrap peer* (the data node holds the run's data and loss, a
 target) is SIGKILLed, and started again RESTART_S later with the same flags (the bootstrap on the
 same port with the same identity, so the address others know stays valid; workers with the
 bootstrap and two live nodes as initial peers, in case the bootstrap is the one down).
+
+In the paired mode a kill takes a random live worker, and PAIR_GAP_S later a live worker of an
+adjacent block stage: two hops of the same microbatches, lost within a second of each other.
 
 Per K: throughput (tokens over the data node's training time) ÷ the fault-free run's; step time
 median / p90 / max; microbatches lost (must be 0); how each restarted worker got its stage back
@@ -54,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "churn_speed.json"
 TTL = "15"
 RESTART_S = 3.0
+PAIR_GAP_S = 0.5  # the paired mode: the second kill, of an adjacent block stage's worker, this much later
 CORES = 2
 
 
@@ -157,11 +161,14 @@ class ChurnSwarm:
         self.swarm.close(timeout_s=0)
 
 
-def run_once(run_file: Path, workdir: Path, every_s: float | None, seed: int, timeout_s: float) -> dict:
+def run_once(
+    run_file: Path, workdir: Path, every_s: float | None, seed: int, timeout_s: float, paired: bool = False
+) -> dict:
     swarm = ChurnSwarm(run_file, workdir)
     rng = random.Random(seed)
     kills: list[dict] = []
     pending: list[tuple[float, Slot]] = []
+    partners: list[tuple[float, int]] = []  # the paired mode: (when, the stage whose neighbour to kill)
     steps_seen: dict[int, float] = {}
     progress = workdir / "progress.jsonl"
     try:
@@ -180,12 +187,22 @@ def run_once(run_file: Path, workdir: Path, every_s: float | None, seed: int, ti
             for due, slot in [p for p in pending if p[0] <= now]:
                 pending.remove((due, slot))
                 swarm.restart(slot)
+            live = [s for s in swarm.slots if s.peer is not None and s.peer.alive and s.lives[-1]["active"]]
+            for due, stage in [p for p in partners if p[0] <= now]:
+                partners.remove((due, stage))
+                adjacent = [s for s in live if s.stage is not None and abs(s.stage - stage) == 1]
+                if adjacent:
+                    slot = rng.choice(adjacent)
+                    kills.append(swarm.kill(slot) | {"life": len(slot.lives) - 1, "paired": True})
+                    pending.append((time.time() + RESTART_S, slot))
             if now >= next_kill:
-                targets = [s for s in swarm.slots if s.peer is not None and s.peer.alive and s.lives[-1]["active"]]
+                targets = [s for s in live if s.stage is not None] if paired else live
                 if targets:
                     slot = rng.choice(targets)
                     kills.append(swarm.kill(slot) | {"life": len(slot.lives) - 1})
                     pending.append((time.time() + RESTART_S, slot))
+                    if paired:
+                        partners.append((time.time() + PAIR_GAP_S, slot.stage))
                 next_kill += every_s
             swarm.poll()
             time.sleep(0.2)
@@ -198,6 +215,7 @@ def run_once(run_file: Path, workdir: Path, every_s: float | None, seed: int, ti
     steps = [e for e in progress_events(progress) if e["event"] == "step"]
     return {
         "every_s": every_s,
+        "paired": paired,
         "done": done,
         "step_s": [e["step_s"] for e in steps],
         "kills": [explain(k, swarm, logs, data_log, steps, steps_seen) for k in kills],
@@ -241,11 +259,12 @@ def no_replica_after(swarm: ChurnSwarm, stage: int, at: float) -> float:
 
 def joins(swarm: ChurnSwarm, logs: dict) -> dict:
     """How each restarted worker got its stage: copied, restored from a neighbour's backup, repaired
-    (rebuilt by the run's rule), started fresh (from the initialisation, or with no word of either), or
-    it was not active yet when the run ended."""
-    counts = {"copied": 0, "restored from a backup": 0, "repaired": 0, "started fresh": 0,
+    (rebuilt by the run's rule), started fresh (from the initialisation, or with no word of either), it
+    exited before it was active (with its last log line), or it was not active yet when the run ended."""
+    counts = {"copied": 0, "restored from a backup": 0, "repaired": 0, "started fresh": 0, "failed to start": 0,
               "not active by the end": 0, "first start": 0}  # fmt: skip
     fresh: list[str] = []
+    failed: list[str] = []
     for slot in swarm.slots:
         if slot.stage is None:
             continue
@@ -253,7 +272,12 @@ def joins(swarm: ChurnSwarm, logs: dict) -> dict:
             if index == 0:
                 counts["first start"] += 1
             elif "] active: " not in log:
-                counts["not active by the end"] += 1
+                life = slot.lives[index]
+                if life["killed"] is None and life["peer"].process.poll() is not None:
+                    counts["failed to start"] += 1
+                    failed.append(next((line for line in reversed(log.splitlines()) if line.strip()), "")[-300:])
+                else:
+                    counts["not active by the end"] += 1
             elif "copied stage" in log:
                 counts["copied"] += 1
             elif "restored from the backup" in log:
@@ -263,7 +287,7 @@ def joins(swarm: ChurnSwarm, logs: dict) -> dict:
             else:
                 counts["started fresh"] += 1
                 fresh.append("\n".join(line for line in log.splitlines() if "stage" in line)[-1500:])
-    return counts | {"fresh_logs": fresh}
+    return counts | {"fresh_logs": fresh, "failed_to_start": failed}
 
 
 def tokens_trained(r: dict) -> float:
@@ -314,8 +338,10 @@ def markdown(result: dict) -> str:
         rows.append(
             f"| {name} | {r['kills']} | **{r['throughput_over_fault_free']:.2f}** | "
             f"{r['throughput_over_fault_free_startup_apart']:.2f} | {r['step_s_median']:.2f} / {r['step_s_p90']:.2f} / "
-            f"{r['step_s_max']:.1f} | {r['lost']} | {restarts['copied']} / {restarts['repaired']} / "
-            f"{restarts['started fresh']} | {_cell(r['detection_s_median'])} | {_cell(r['startup_s_median'])} | "
+            f"{r['step_s_max']:.1f} | {r['lost']} | {restarts['copied']} / "
+            f"{restarts.get('restored from a backup', 0)} / {restarts['repaired']} / {restarts['started fresh']} | "
+            f"{restarts.get('failed to start', 0)} | {_cell(r['detection_s_median'])} | "
+            f"{_cell(r['startup_s_median'])} | "
             f"{_cell(r['join_s_median'])} | {r['no_replica_s_total']:.1f} | {r['restart_cpu_s_total']:.1f} | "
             f"{r['train_s']:.0f} |"
         )
@@ -330,12 +356,14 @@ def markdown(result: dict) -> str:
             "read differences of a few hundredths as noise. *Start-up told apart* subtracts the restarted processes' "
             "CPU-seconds until active, divided by the 2 cores, from the run's time: an estimate of what a user whose "
             "nodes restart on their own machines sees. Medians are over the kills of a run; *no replica* is the total "
-            "time a killed worker's stage had no active replica.",
+            "time a killed worker's stage had no active replica. *Paired*: each kill takes a worker, and "
+            f"{PAIR_GAP_S:g} s later a worker of an adjacent block stage. A stage left with no replica comes back "
+            "from the backup its neighbouring stage keeps (`repair.backup_every`), else rebuilt by the run's rule.",
             "",
             "| K | kills | throughput ÷ fault-free | start-up told apart | step s: median / p90 / max | lost "
-            "| restarts: copied / repaired / fresh | detection s | start-up s | join s | no replica s | restart CPU s "
-            "| train s |",
-            "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| restarts: copied / from a backup / rebuilt / fresh | failed to start | detection s | start-up s "
+            "| join s | no replica s | restart CPU s | train s |",
+            "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
             "*Detection* is the kill to the data node's `suspect` line (net/suspects.py: a dropped connection, "
@@ -357,7 +385,10 @@ def _cell(value: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--every", type=float, nargs="+", default=[30.0, 15.0, 7.0], help="K: seconds between kills")
+    parser.add_argument("--every", type=float, nargs="+", default=[30.0, 15.0, 7.0, 4.0],
+                        help="K: seconds between kills")  # fmt: skip
+    parser.add_argument("--paired", type=float, nargs="*", default=[7.0],
+                        help="K of the paired mode: a worker and, 0.5 s later, an adjacent stage's")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
     parser.add_argument("--no-docs", action="store_true")
@@ -374,11 +405,13 @@ def main() -> int:
         workdir = Path(tmp)
         run_file = workdir / "run.toml"
         run_file.write_text(load_run_config("tiny").replace({**FULL_PRECISION, "train.steps": args.steps}).to_toml())
-        for every in (None, *args.every):
-            name = "no kills" if every is None else f"every {every:g} s"
-            (workdir / name.replace(" ", "-")).mkdir()
+        arms = [(None, False), *((k, False) for k in args.every), *((k, True) for k in args.paired)]
+        for every, paired in arms:
+            name = "no kills" if every is None else f"every {every:g} s" + (", paired" if paired else "")
+            folder = workdir / name.replace(" ", "-").replace(",", "")
+            folder.mkdir()
             print(f"{name}: {args.steps} steps ...", file=sys.stderr, flush=True)
-            runs[name] = run_once(run_file, workdir / name.replace(" ", "-"), every, args.seed, args.timeout)
+            runs[name] = run_once(run_file, folder, every, args.seed, args.timeout, paired)
             print(json.dumps(runs[name]["done"] and {k: runs[name]["done"][k] for k in
                                                      ("steps", "microbatches_abandoned", "train_s")}),
                   json.dumps(runs[name]["restarts"]), file=sys.stderr, flush=True)  # fmt: skip
