@@ -385,7 +385,7 @@ def _cell(value: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--every", type=float, nargs="+", default=[30.0, 15.0, 7.0, 4.0],
+    parser.add_argument("--every", type=float, nargs="*", default=[30.0, 15.0, 7.0, 4.0],
                         help="K: seconds between kills")  # fmt: skip
     parser.add_argument("--paired", type=float, nargs="*", default=[7.0],
                         help="K of the paired mode: a worker and, 0.5 s later, an adjacent stage's")  # fmt: skip

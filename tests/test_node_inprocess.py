@@ -163,8 +163,10 @@ def test_the_simulator_and_the_engines_resume_a_forward_lost_after_its_hop_took_
 def test_a_hop_killed_mid_backward_is_redone_by_another_replica_and_nothing_else_is(tmp_path) -> None:
     """Stage 2 is about to pass step 3's gradient to the stage-1 replica that holds the microbatch's
     graph, and that replica dies: stage 2 has the other stage-1 replica redo only that hop, from the
-    input the data node kept, and the backward goes on; no forward is sent again."""
-    run = corpus_run(tmp_path, tiny_run(**FAULT_RUN))
+    input the data node kept, and the backward goes on; no forward is sent again. One microbatch a
+    step, so that none is still on its way forward through the replica that dies (with four a step,
+    one was, under load, and was sent again, as it should be)."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.batch_size": 2}))
     holder = worker_id(2, 0)
     swarm = InProcessSwarm(run, {1: 2, 2: 1}, random_routing())
     swarm.hooks[holder] = hooks = Scripted(swarm, holder, kill_upstream_at=3)

@@ -288,6 +288,31 @@ class PipelineEngine:
         """What hop `hop` of this microbatch sent on, computed again by a live replica of its stage: its
         holder `failed` is gone with it. That replica gets its own input the same way, walking upstream
         as far as it must. Raises HopFailed if no replica of the stage is left or none could."""
+
+        async def ask(peer: str, route: tuple[Hop, ...]) -> torch.Tensor:
+            redo = RedoOutputRequest(microbatch_id=request.microbatch_id, origin=request.origin,
+                                     step=request.step, hop=hop, route=route, tokens=request.tokens)  # fmt: skip
+            output = await self._ask_for_tensor(peer, self.rpc.redo_output, redo)
+            self.outputs_redone += 1
+            logger.info("[%s] %s: the output of hop %d (stage %d) redone by %s after: %s", self.ctx.short_id,
+                        request.microbatch_id, hop, route[hop].stage, peer[-8:], why[:80])  # fmt: skip
+            return output
+
+        return await self._on_a_stand_in(request, hop, failed, why, ask, ban_refusals=False)  # "its input is lost too"
+
+    async def _on_a_stand_in(
+        self,
+        request: BackwardRequest | RecomputeRequest | RedoOutputRequest,
+        hop: int,
+        failed: str,
+        why: str,
+        attempt: Callable[[str, tuple[Hop, ...]], Awaitable[T]],
+        ban_refusals: bool = True,
+    ) -> T:
+        """`attempt(peer, route)` on live replicas of hop `hop`'s stage other than `failed` (`route`
+        names the replica at `hop`), one after another until one does it; a replica that failed is not
+        tried again, and is banned (one that answered no, only if `ban_refusals`). Raises HopFailed
+        (stage lost) once no replica is left."""
         stage = request.route[hop].stage
         prev = request.origin if hop == 0 else request.route[hop - 1].peer_id
         tried = {failed}
@@ -297,20 +322,13 @@ class PipelineEngine:
                 raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200], stage_lost=True)
             route = list(request.route)
             route[hop] = Hop(stage=stage, peer_id=peer)
-            redo = RedoOutputRequest(microbatch_id=request.microbatch_id, origin=request.origin,
-                                     step=request.step, hop=hop, route=tuple(route), tokens=request.tokens)  # fmt: skip
             try:
-                output = await self._ask_for_tensor(peer, self.rpc.redo_output, redo)
+                return await attempt(peer, tuple(route))
             except HopFailed as e:
-                if not e.refused:
+                if ban_refusals or not e.refused:
                     self.ban(peer, e)
                 tried.add(peer)
                 why = str(e)
-                continue
-            self.outputs_redone += 1
-            logger.info("[%s] %s: the output of hop %d (stage %d) redone by %s after: %s", self.ctx.short_id,
-                        request.microbatch_id, hop, stage, peer[-8:], why[:80])  # fmt: skip
-            return output
 
     async def _ask_for_tensor(self, peer_id: str, rpc: BoundRpc, request: object) -> torch.Tensor:
         """Send `request` and read back an Ack, then (if accepted) an activation."""
@@ -379,40 +397,16 @@ class PipelineEngine:
         """Hop `hop` of this microbatch is gone with its graph (its peer `failed` did not take our
         gradient): have another replica of its stage redo only that hop, from the input the hop
         before it kept and the gradient we hold. Raises HopFailed if no replica of the stage is left."""
-        stage = request.route[hop].stage
-        prev = request.origin if hop == 0 else request.route[hop - 1].peer_id
-        tried = {failed}
-        while True:
-            peer = await self.wait_for_replacement(stage, tried, prev, self.ctx.peer_id)
-            if peer is None:
-                raise HopFailed(f"stage_lost: no live replica of stage {stage} ({why})"[:200], stage_lost=True)
-            route = list(request.route)
-            route[hop] = Hop(stage=stage, peer_id=peer)
-            redo = RecomputeRequest(
-                microbatch_id=request.microbatch_id,
-                origin=request.origin,
-                step=request.step,
-                hop=hop,
-                route=tuple(route),
-                tokens=tokens,
-            )
-            try:
-                await self.send(peer, EngineRpcs.recompute, redo, grad)
-                self.recomputes_delegated += 1
-                logger.info(
-                    "[%s] %s: hop %d (stage %d) redone by %s after: %s",
-                    self.ctx.short_id,
-                    request.microbatch_id,
-                    hop,
-                    stage,
-                    peer[-8:],
-                    why[:80],
-                )
-                return
-            except HopFailed as e:
-                self.ban(peer, e)
-                tried.add(peer)
-                why = str(e)
+
+        async def recompute(peer: str, route: tuple[Hop, ...]) -> None:
+            redo = RecomputeRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
+                                    hop=hop, route=route, tokens=tokens)  # fmt: skip
+            await self.send(peer, EngineRpcs.recompute, redo, grad)
+            self.recomputes_delegated += 1
+            logger.info("[%s] %s: hop %d (stage %d) redone by %s after: %s", self.ctx.short_id,
+                        request.microbatch_id, hop, route[hop].stage, peer[-8:], why[:80])  # fmt: skip
+
+        await self._on_a_stand_in(request, hop, failed, why, recompute)
 
     # ---- what every pipeline engine answers the node (engine.py) --------------------------------------
 
