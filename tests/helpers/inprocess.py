@@ -118,6 +118,16 @@ class InProcessSwarm:
         await worker.start()
         return worker
 
+    async def add_joiner(self, stage: int, peer_id: str) -> StageWorker:
+        """A worker that joins a running swarm as the daemon's does: it copies its stage (and what the
+        replica it copies keeps) before it serves."""
+        ctx = self._context(peer_id, self.config)
+        worker = StageWorker(ctx, stage)
+        await worker.join_by_copy()
+        await self._join(Member(peer_id, stage, ctx, worker, self._started()))
+        await worker.start()
+        return worker
+
     async def kill(self, peer_id: str) -> None:
         """SIGKILL, as its peers see it: nothing it held answers again, and it leaves every view."""
         member = self.members[peer_id]

@@ -110,6 +110,27 @@ class StageCopyKeeper:
             return True
         return False
 
+    async def take_from(self, peer: str) -> bool:
+        """A joiner's first copy: the one kept by the replica it copied its own stage from, so that a
+        backup outlives its keepers' restarts as long as one replica of the keeping stage lives (the
+        stage it backs up may have none left to copy from by then); whether that replica had one."""
+        ctx = self.worker.ctx
+        if self._reference is None:
+            self._reference = stage_reference(ctx.run, self.stage)
+        try:
+            fetched = await fetch_stage(ctx.transport, peer, self.stage, self._reference,
+                                        ctx.config.network.rpc_timeout_s, wait_if_busy=False, run=ctx.run)  # fmt: skip
+        except Exception as e:
+            logger.info("[%s] %s: %s kept no copy of stage %d for us: %s", ctx.short_id, self.rule, peer[-8:],
+                        self.stage, e)  # fmt: skip
+            return False
+        self.copy = fetched
+        self.fetches += 1
+        self.bytes_fetched += sum(t.numel() * 4 for t in (*fetched.theta, *fetched.phi))
+        logger.info("[%s] %s: took over the copy of stage %d that %s keeps (inner step %d)", ctx.short_id, self.rule,
+                    self.stage, peer[-8:], fetched.inner_step)  # fmt: skip
+        return True
+
     async def serve(self, stream: FramedStream) -> None:
         """Answer a node restoring the stage, as `serve_stage_copy` answers for a held stage."""
         copy = self.copy

@@ -192,6 +192,9 @@ class StageWorker(PipelineEngine):
         fresh."""
         attempt = await join_stage(self)
         self.failed_donors = frozenset(attempt.failed)
+        if attempt.source is not None:
+            for kept in self.kept_copies.values():  # the donor's copies of neighbouring stages come along
+                await kept.take_from(attempt.source)
         return attempt.source
 
     async def work(self) -> dict | None:
