@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from shoal.node.config import ExperimentOptions, NodeConfig
 from shoal.node.hooks import Hooks
@@ -261,3 +262,61 @@ def test_two_hops_of_one_path_lost_at_once_in_backward_are_redone_from_upstream_
     assert real == _simulated_two_hops_lost_in_backward() == {"sent again": 0, "hops redone": 2, "abandoned": 0,
                                                              "completed": 1}  # fmt: skip
     assert done["steps"] == run.train.steps
+
+
+def test_a_joiner_takes_over_the_backup_the_replica_it_copies_keeps(tmp_path) -> None:
+    """Stage 1's workers keep the backup of stage 2 (the first block stage keeps the last). A second
+    stage-1 worker joining by copy takes its donor's backup along, so the backup outlives the keepers'
+    restarts even while stage 2 has no replica to copy from (the paired kills of the churn benchmark)."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "repair.backup_every": 1}))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1})
+
+    async def main() -> None:
+        driver = await swarm.start()
+        try:
+            await asyncio.wait_for(driver.work(), 150)
+            kept = swarm.engine(worker_id(1, 0)).kept_copies[2]
+            for _ in range(100):  # the keeper looks every 0.5 s
+                if kept.copy is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert kept.copy is not None and kept.copy.inner_step >= 1
+            await swarm.kill(worker_id(2, 0))  # stage 2 has nobody left to copy from
+            joiner = await swarm.add_joiner(1, "QmJoiner")
+            taken = joiner.kept_copies[2].copy
+            assert taken is not None and taken.peer_id == worker_id(1, 0) and taken.inner_step == kept.copy.inner_step
+            assert all(torch.equal(a, b) for a, b in zip(taken.theta, kept.copy.theta, strict=True))
+        finally:
+            await swarm.close()
+
+    asyncio.run(main())
+
+
+def test_a_last_hop_redone_for_the_data_node_and_lost_again_is_redone_again(tmp_path) -> None:
+    """The last block stage's replica that holds a microbatch's graph dies in its backward; the data
+    node has another replica redo the hop from the gradient it keeps, and that stand-in dies in its
+    backward too. The stand-in took the lost hop's place on the data node's route, so its death is
+    seen like the first and a third replica redoes the hop: nothing lost (it waited out its timeout)."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.batch_size": 2}))
+    swarm = InProcessSwarm(run, {1: 1, 2: 3}, random_routing())
+    deaths: list[str] = []
+
+    class DiesInBackward(Hooks):
+        def __init__(self, me: str) -> None:
+            super().__init__()
+            self.me = me
+
+        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+            if step == 2 and len(deaths) < 2 and self.me not in deaths:
+                deaths.append(self.me)
+                swarm.kill_soon(self.me)
+                raise asyncio.CancelledError  # gone with the gradient it was about to pass on
+
+    for replica in range(3):
+        swarm.hooks[worker_id(2, replica)] = DiesInBackward(worker_id(2, replica))
+    done = train(swarm)
+    assert len(deaths) == 2
+    summary = ledger(swarm)
+    assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
+    assert summary["microbatches_completed"] == summary["microbatches_injected"] and done["steps"] == run.train.steps
+    assert summary["backward_recoveries"] >= 2

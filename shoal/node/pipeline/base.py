@@ -393,20 +393,22 @@ class PipelineEngine:
         failed: str,
         why: str,
         tokens: bytes = b"",
-    ) -> None:
+    ) -> tuple[Hop, ...]:
         """Hop `hop` of this microbatch is gone with its graph (its peer `failed` did not take our
         gradient): have another replica of its stage redo only that hop, from the input the hop
-        before it kept and the gradient we hold. Raises HopFailed if no replica of the stage is left."""
+        before it kept and the gradient we hold; returns the route as the stand-in took it. Raises
+        HopFailed if no replica of the stage is left."""
 
-        async def recompute(peer: str, route: tuple[Hop, ...]) -> None:
+        async def recompute(peer: str, route: tuple[Hop, ...]) -> tuple[Hop, ...]:
             redo = RecomputeRequest(microbatch_id=request.microbatch_id, origin=request.origin, step=request.step,
                                     hop=hop, route=route, tokens=tokens)  # fmt: skip
             await self.send(peer, EngineRpcs.recompute, redo, grad)
             self.recomputes_delegated += 1
             logger.info("[%s] %s: hop %d (stage %d) redone by %s after: %s", self.ctx.short_id,
                         request.microbatch_id, hop, route[hop].stage, peer[-8:], why[:80])  # fmt: skip
+            return route
 
-        await self._on_a_stand_in(request, hop, failed, why, recompute)
+        return await self._on_a_stand_in(request, hop, failed, why, recompute)
 
     # ---- what every pipeline engine answers the node (engine.py) --------------------------------------
 

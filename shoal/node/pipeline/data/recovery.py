@@ -6,6 +6,7 @@ hop after it, or redo the last hop from the gradient this node holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -132,13 +133,17 @@ class Recovery:
         entry.recovering -= 1
 
     async def redo_hop(self, wire_id: str, entry: InFlight, lost_peer: str, why: str) -> None:
-        """The last hop is gone with its graph: another replica of its stage redoes it."""
+        """The last hop is gone with its graph: another replica of its stage redoes it. The stand-in
+        takes the lost hop's place on the route we keep, so that if it dies too before the gradient
+        comes home, the next look at the swarm has the hop redone again."""
         assert entry.backward is not None and entry.grad is not None
         entry.recovering += 1
         try:
-            await self.hops.delegate_recompute(
+            route = await self.hops.delegate_recompute(
                 entry.backward, entry.backward.hop, entry.grad, lost_peer, why, entry.packed_tokens
             )
+            entry.backward = dataclasses.replace(entry.backward, route=route)
+            entry.route_peers = tuple(hop.peer_id for hop in route)
             self.ledger.recoveries += 1
         except HopFailed as e:
             where = f"backward into stage {entry.backward.route[-1].stage}: {e}"
