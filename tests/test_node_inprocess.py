@@ -320,3 +320,41 @@ def test_a_last_hop_redone_for_the_data_node_and_lost_again_is_redone_again(tmp_
     assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
     assert summary["microbatches_completed"] == summary["microbatches_injected"] and done["steps"] == run.train.steps
     assert summary["backward_recoveries"] >= 2
+
+
+def test_a_middle_hop_redone_by_a_stand_in_that_dies_too_is_redone_again(tmp_path) -> None:
+    """Stage 3 is about to pass a gradient to the stage-2 replica holding the microbatch's graph, which
+    dies; stage 3 has another stage-2 replica redo the hop and tells the data node so (a route note in
+    backward). That stand-in dies in its backward too: the data node sees it leave, asks stage 3 to
+    recover the hop again, and the third stage-2 replica redoes it. Nothing lost."""
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "model.n_layers": 3, "pipeline.stages": 4,
+                                           "train.batch_size": 2}))  # fmt: skip
+    swarm = InProcessSwarm(run, {1: 1, 2: 3, 3: 1}, random_routing())
+    deaths: list[str] = []
+
+    class KillsUpstream(Hooks):  # stage 3: the first holder of stage 2 dies before its gradient arrives
+        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+            if step == 2 and not deaths:
+                deaths.append(upstream)
+                await swarm.kill(upstream)
+
+    class StandInDies(Hooks):  # stage 2: the replica that redoes the hop dies before passing it on
+        def __init__(self, me: str) -> None:
+            super().__init__()
+            self.me = me
+
+        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+            if step == 2 and len(deaths) == 1:
+                deaths.append(self.me)
+                swarm.kill_soon(self.me)
+                raise asyncio.CancelledError  # gone with the gradient it was about to pass on
+
+    swarm.hooks[worker_id(3, 0)] = KillsUpstream()
+    for replica in range(3):
+        swarm.hooks[worker_id(2, replica)] = StandInDies(worker_id(2, replica))
+    done = train(swarm)
+    assert len(deaths) == 2
+    summary = ledger(swarm)
+    assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
+    assert summary["microbatches_completed"] == summary["microbatches_injected"] and done["steps"] == run.train.steps
+    assert swarm.engine(worker_id(3, 0)).stats()["recomputes_delegated"] == 2

@@ -145,10 +145,12 @@ class AbandonNotice:
 
 @message("route_note")
 class RouteNote:
-    """Tells a data node which peer took hop `hop` of its microbatch's forward, where that is not the
-    peer the route named when it left the data node: a sender that picks the next hop itself (GWTF,
-    SWARM) or re-routed a failed one. Without it a data node that loses that peer cannot find the hop
-    to resume the forward from, and sends the whole forward again."""
+    """Tells a data node which peer took hop `hop` of its microbatch, where that is not the peer the
+    route named when it left the data node. In forward: a sender that picks the next hop itself (GWTF,
+    SWARM) or re-routed a failed one; without it a data node that loses that peer cannot find the hop
+    to resume the forward from, and sends the whole forward again. In backward: the hop after a lost
+    one had another replica redo it (a recompute); without it a data node that loses that stand-in
+    too never has the hop redone again, and the microbatch times out."""
 
     microbatch_id: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     hop: int = wire_field(ge=0, le=MAX_ROUTE_HOPS)

@@ -200,8 +200,12 @@ class MicrobatchAnswers:
     async def on_route_note(self, note: RouteNote, sender: str) -> Ack:
         """A hop of this microbatch's forward sent it on to another peer than the route named (it picks
         the next hop itself, or re-routed): note the peer, so a resume starts from the right hop. Taken
-        only from a hop of it or a replica of the stage before, naming a replica of the stage noted."""
+        only from a hop of it or a replica of the stage before, naming a replica of the stage noted. In
+        backward, the hop after a lost one had a stand-in redo it: noted the same way (from that hop
+        after), so that a stand-in lost too has the hop redone again."""
         entry = self.in_flight.get(note.microbatch_id)
+        if entry is not None and not entry.done.done() and entry.home and entry.backward is not None:
+            return await self._note_stand_in(entry, note, sender)
         if entry is None or entry.done.done() or entry.home or not 0 < note.hop < len(entry.route_peers):
             return Ack(accepted=False, reason="unknown microbatch, or not in forward")
         if entry.route_stages[note.hop] != note.stage:
@@ -213,6 +217,21 @@ class MicrobatchAnswers:
             return Ack(accepted=False, reason="the peer noted holds no replica of that stage")
         if entry.route_peers[note.hop] != note.peer_id:
             entry.route_peers = tuple(note.peer_id if i == note.hop else p for i, p in enumerate(entry.route_peers))
+        return Ack(accepted=True)
+
+    async def _note_stand_in(self, entry: InFlight, note: RouteNote, sender: str) -> Ack:
+        assert entry.backward is not None
+        route = entry.backward.route
+        if not 0 <= note.hop < len(route) - 1 or route[note.hop].stage != note.stage:
+            return Ack(accepted=False, reason=self._refuse(sender, note.microbatch_id, "a note for another hop"))
+        if sender != route[note.hop + 1].peer_id:
+            return Ack(accepted=False, reason=self._refuse(sender, note.microbatch_id, "not the hop after"))
+        if not await self.hops.listed(note.peer_id, (note.stage,)):
+            return Ack(accepted=False, reason="the peer noted holds no replica of that stage")
+        stand_in = Hop(stage=note.stage, peer_id=note.peer_id)
+        noted = tuple(stand_in if i == note.hop else hop for i, hop in enumerate(route))
+        entry.backward = replace(entry.backward, route=noted)
+        entry.route_peers = tuple(h.peer_id for h in entry.backward.route)
         return Ack(accepted=True)
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:

@@ -10,6 +10,7 @@ hop before ours dies holding its graph, another replica of its stage redoes that
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import replace
 
@@ -22,7 +23,7 @@ from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.hops import HopFailed, lost_kind, planned_start
 from shoal.node.pipeline.worker.admission import Admission
 from shoal.node.pipeline.worker.kept import KeptState, Saved, SentGradient
-from shoal.node.pipeline.worker.notices import notify_abandon
+from shoal.node.pipeline.worker.notices import note_route, notify_abandon
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.stepper import Stepper
 from shoal.node.pipeline.worker.transcripts import StepRecorder
@@ -123,7 +124,7 @@ class Backwarder:
                 return
             self.hops.ban(target, e)
             try:
-                await self.hops.delegate_recompute(upstream, upstream.hop, grad_in, target, str(e), tokens)
+                route = await self.hops.delegate_recompute(upstream, upstream.hop, grad_in, target, str(e), tokens)
             except HopFailed as lost:
                 await notify_abandon(
                     self.ctx,
@@ -133,5 +134,8 @@ class Backwarder:
                     lost_kind(lost, AbandonReason.BACKWARD),
                 )
                 return
+            # the stand-in takes the lost hop's place, here (a RecoverRequest names it) and at the data node
+            upstream = dataclasses.replace(upstream, route=route)
+            self.hops.spawn(note_route(self.ctx, upstream), f"route note {mb}")
         if upstream.hop >= 0:
             self.kept.sent[mb] = SentGradient(upstream, grad_in, self.kept.expiry(), tokens)

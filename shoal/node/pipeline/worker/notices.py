@@ -8,7 +8,7 @@ import logging
 
 from shoal.node.context import NodeContext
 from shoal.node.engine import AbandonReason
-from shoal.protocol.pipeline import AbandonNotice, ForwardRequest, RouteNote
+from shoal.protocol.pipeline import AbandonNotice, BackwardRequest, ForwardRequest, RouteNote
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,9 @@ async def notify_abandon(ctx: NodeContext, origin: str, microbatch_id: str, reas
         logger.info("[%s] could not tell %s: %s", ctx.short_id, origin[-8:], e)
 
 
-async def note_route(ctx: NodeContext, delivered: ForwardRequest) -> None:
-    """Tell the data node who took the next hop, which its route did not name (RouteNote)."""
+async def note_route(ctx: NodeContext, delivered: ForwardRequest | BackwardRequest) -> None:
+    """Tell the data node who took hop `delivered.hop`, which its route did not name (RouteNote): the
+    next hop of a forward, or the stand-in that redoes a lost hop in backward."""
     hop = delivered.route[delivered.hop]
     note = RouteNote(microbatch_id=delivered.microbatch_id, hop=delivered.hop, stage=hop.stage, peer_id=hop.peer_id)
     try:

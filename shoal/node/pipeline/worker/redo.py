@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -185,9 +186,13 @@ class Redo:
 
     async def _recover(self, kept: SentGradient, lost_peer: str) -> None:
         try:
-            await self.hops.delegate_recompute(
+            route = await self.hops.delegate_recompute(
                 kept.request, kept.request.hop, kept.grad, lost_peer, "it left the swarm", kept.tokens
             )
+            # the stand-in takes the lost hop's place, here and at the data node: it may be lost too
+            request = dataclasses.replace(kept.request, route=route)
+            self.kept.sent[request.microbatch_id] = dataclasses.replace(kept, request=request)
+            await note_route(self.ctx, request)
         except HopFailed as e:
             await notify_abandon(
                 self.ctx,
