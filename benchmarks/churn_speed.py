@@ -208,6 +208,9 @@ def run_once(
             time.sleep(0.2)
         data_log = data.log()
         logs = {slot.name: [life["peer"].log() for life in slot.lives] for slot in swarm.slots}
+        for slot in swarm.slots:  # before close() stops the rest: which processes ended on their own
+            for life in slot.lives:
+                life["exited"] = life["killed"] is None and life["peer"].process.poll() is not None
         swarm.close()
     finally:
         swarm.swarm.close(timeout_s=0)
@@ -273,7 +276,7 @@ def joins(swarm: ChurnSwarm, logs: dict) -> dict:
                 counts["first start"] += 1
             elif "] active: " not in log:
                 life = slot.lives[index]
-                if life["killed"] is None and life["peer"].process.poll() is not None:
+                if life.get("exited"):
                     counts["failed to start"] += 1
                     failed.append(next((line for line in reversed(log.splitlines()) if line.strip()), "")[-300:])
                 else:
