@@ -369,7 +369,7 @@ def markdown(result: dict) -> str:
             "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
-            "*Detection* is the kill to the data node's `suspect` line (net/suspects.py: a dropped connection, "
+            "*Detection* is the kill to the data node's `suspect` line (p2p/suspects.py: a dropped connection, "
             "then an unanswered ping); before suspects, a dead peer stayed in the views until its record "
             "expired or a send to it failed. A repair happens where both replicas of a stage were down at once "
             "(a kill within the other's restart); *no replica* is that time. What is left of the lost speed is "
