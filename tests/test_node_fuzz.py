@@ -12,7 +12,7 @@ What must hold: no daemon dies or logs a traceback, none answers `internal`, mem
 descriptors come back near where they were, refused requests change no state (a worker's passes,
 steps and epochs, a data node's ledger, the swarm view), and afterwards a real training step runs.
 
-Run: .venv/bin/python -m pytest tests/test_node_fuzz.py -q -s   (SHOAL_FUZZ_SEED=N replays a run)
+Run: .venv/bin/python -m pytest -n 0 tests/test_node_fuzz.py -q -s   (SHOAL_FUZZ_SEED=N replays a run)
 """
 
 from __future__ import annotations
