@@ -113,6 +113,32 @@ class Scripted(Hooks):
                 self.killed.append(peer)
 
 
+class DiesInItsBackward(Hooks):
+    """A replica that dies at step `at_step` as it is about to pass a gradient upstream (the gradient
+    goes with it), while fewer than `up_to` of a test's `deaths` (shared by its hooks) have died."""
+
+    def __init__(self, swarm: InProcessSwarm, me: str, deaths: list[str], up_to: int, at_step: int = 2) -> None:
+        super().__init__()
+        self.swarm, self.me, self.deaths, self.up_to, self.at_step = swarm, me, deaths, up_to, at_step
+
+    async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
+        if step == self.at_step and len(self.deaths) < self.up_to and self.me not in self.deaths:
+            self.deaths.append(self.me)
+            self.swarm.kill_soon(self.me)
+            raise asyncio.CancelledError
+
+
+def trained_through(swarm: InProcessSwarm, deaths: list[str]) -> dict:
+    """Train the run through the two deaths its hooks script; every microbatch completes. The ledger."""
+    done = train(swarm)
+    assert len(deaths) == 2
+    summary = ledger(swarm)
+    assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
+    assert summary["microbatches_completed"] == summary["microbatches_injected"]
+    assert done["steps"] == swarm.run.train.steps
+    return summary
+
+
 def random_routing() -> NodeConfig:
     return dataclasses.replace(NodeConfig(), placement=dataclasses.replace(NodeConfig().placement, routing="random"))
 
@@ -300,26 +326,9 @@ def test_a_last_hop_redone_for_the_data_node_and_lost_again_is_redone_again(tmp_
     run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.batch_size": 2}))
     swarm = InProcessSwarm(run, {1: 1, 2: 3}, random_routing())
     deaths: list[str] = []
-
-    class DiesInBackward(Hooks):
-        def __init__(self, me: str) -> None:
-            super().__init__()
-            self.me = me
-
-        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
-            if step == 2 and len(deaths) < 2 and self.me not in deaths:
-                deaths.append(self.me)
-                swarm.kill_soon(self.me)
-                raise asyncio.CancelledError  # gone with the gradient it was about to pass on
-
     for replica in range(3):
-        swarm.hooks[worker_id(2, replica)] = DiesInBackward(worker_id(2, replica))
-    done = train(swarm)
-    assert len(deaths) == 2
-    summary = ledger(swarm)
-    assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
-    assert summary["microbatches_completed"] == summary["microbatches_injected"] and done["steps"] == run.train.steps
-    assert summary["backward_recoveries"] >= 2
+        swarm.hooks[worker_id(2, replica)] = DiesInItsBackward(swarm, worker_id(2, replica), deaths, up_to=2)
+    assert trained_through(swarm, deaths)["backward_recoveries"] >= 2
 
 
 def test_a_middle_hop_redone_by_a_stand_in_that_dies_too_is_redone_again(tmp_path) -> None:
@@ -338,23 +347,8 @@ def test_a_middle_hop_redone_by_a_stand_in_that_dies_too_is_redone_again(tmp_pat
                 deaths.append(upstream)
                 await swarm.kill(upstream)
 
-    class StandInDies(Hooks):  # stage 2: the replica that redoes the hop dies before passing it on
-        def __init__(self, me: str) -> None:
-            super().__init__()
-            self.me = me
-
-        async def before_upstream(self, step: int, hop: int, microbatch_id: str, upstream: str, short_id: str) -> None:
-            if step == 2 and len(deaths) == 1:
-                deaths.append(self.me)
-                swarm.kill_soon(self.me)
-                raise asyncio.CancelledError  # gone with the gradient it was about to pass on
-
     swarm.hooks[worker_id(3, 0)] = KillsUpstream()
-    for replica in range(3):
-        swarm.hooks[worker_id(2, replica)] = StandInDies(worker_id(2, replica))
-    done = train(swarm)
-    assert len(deaths) == 2
-    summary = ledger(swarm)
-    assert summary["microbatches_abandoned"] == 0, summary["abandoned_details"]
-    assert summary["microbatches_completed"] == summary["microbatches_injected"] and done["steps"] == run.train.steps
+    for replica in range(3):  # the stand-in that redoes the hop dies before passing it on
+        swarm.hooks[worker_id(2, replica)] = DiesInItsBackward(swarm, worker_id(2, replica), deaths, up_to=2)
+    trained_through(swarm, deaths)
     assert swarm.engine(worker_id(3, 0)).stats()["recomputes_delegated"] == 2
