@@ -323,12 +323,14 @@ def test_a_last_hop_redone_for_the_data_node_and_lost_again_is_redone_again(tmp_
     node has another replica redo the hop from the gradient it keeps, and that stand-in dies in its
     backward too. The stand-in took the lost hop's place on the data node's route, so its death is
     seen like the first and a third replica redoes the hop: nothing lost (it waited out its timeout)."""
-    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.batch_size": 2}))
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, "train.batch_size": 2, "defense.step_audit_rate": 1.0}))
     swarm = InProcessSwarm(run, {1: 1, 2: 3}, random_routing())
     deaths: list[str] = []
     for replica in range(3):
         swarm.hooks[worker_id(2, replica)] = DiesInItsBackward(swarm, worker_id(2, replica), deaths, up_to=2)
     assert trained_through(swarm, deaths)["backward_recoveries"] >= 2
+    # every step audited: the output that came home is the dead holder's, and the stand-in is not held to it
+    assert swarm.data is not None and swarm.data.exclusions.peers() == set()
 
 
 def test_a_middle_hop_redone_by_a_stand_in_that_dies_too_is_redone_again(tmp_path) -> None:

@@ -232,6 +232,7 @@ class MicrobatchAnswers:
         noted = tuple(stand_in if i == note.hop else hop for i, hop in enumerate(route))
         entry.backward = replace(entry.backward, route=noted)
         entry.route_peers = tuple(h.peer_id for h in entry.backward.route)
+        entry.redone.add(note.hop)
         return Ack(accepted=True)
 
     async def on_abandon(self, notice: AbandonNotice, sender: str) -> Ack:

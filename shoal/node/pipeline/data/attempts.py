@@ -70,6 +70,8 @@ class InFlight:
     backward: BackwardRequest | None = None  # what we sent the last hop, kept until the microbatch is over
     grad: torch.Tensor | None = None
     recovered: set[str] = field(default_factory=set)  # lost peers whose hop we already had redone
+    # hops a stand-in redid in backward: what came home from them was computed by the peer it replaced
+    redone: set[int] = field(default_factory=set)
     embedding_grad: bool = False  # the gradient reached the embedding
     backward_starts: tuple[float, ...] = ()  # SkipPipe's timetable: each hop's planned backward start
     step: int = 0

@@ -144,6 +144,7 @@ class Recovery:
             )
             entry.backward = dataclasses.replace(entry.backward, route=route)
             entry.route_peers = tuple(hop.peer_id for hop in route)
+            entry.redone.add(entry.backward.hop)
             self.ledger.recoveries += 1
         except HopFailed as e:
             where = f"backward into stage {entry.backward.route[-1].stage}: {e}"

@@ -94,7 +94,8 @@ class StepAuditor:
             known = Known(
                 input=self._as_received(entry.embedded) if k == 0 else None,
                 output_grad=self._as_received(entry.grad) if k == last and entry.grad is not None else None,
-                output=self.outputs.get(wire_id) if k == last else None,
+                # the output that came home is the replaced peer's where a stand-in redid the last hop
+                output=self.outputs.get(wire_id) if k == last and k not in entry.redone else None,
                 tokens=entry.tokens.detach() if entry.tokens is not None and entry.packed_tokens else None,
             )
             self.known.setdefault(peer, {})[wire_id] = known
