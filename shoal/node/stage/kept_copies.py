@@ -104,11 +104,14 @@ class StageCopyKeeper:
                 logger.info("[%s] %s: keeping a copy of stage %d (from %s, inner step %d), refreshed every %d steps",
                             ctx.short_id, self.rule, self.stage, holder.peer_id[-8:], fetched.inner_step,
                             self.every)  # fmt: skip
-            self.copy = fetched
-            self.fetches += 1
-            self.bytes_fetched += sum(t.numel() * 4 for t in (*fetched.theta, *fetched.phi))  # float32 on the wire
+            self._keep(fetched)
             return True
         return False
+
+    def _keep(self, fetched: FetchedStage) -> None:
+        self.copy = fetched
+        self.fetches += 1
+        self.bytes_fetched += sum(t.numel() * 4 for t in (*fetched.theta, *fetched.phi))  # float32 on the wire
 
     async def take_from(self, peer: str) -> bool:
         """A joiner's first copy: the one kept by the replica it copied its own stage from, so that a
@@ -124,9 +127,7 @@ class StageCopyKeeper:
             logger.info("[%s] %s: %s kept no copy of stage %d for us: %s", ctx.short_id, self.rule, peer[-8:],
                         self.stage, e)  # fmt: skip
             return False
-        self.copy = fetched
-        self.fetches += 1
-        self.bytes_fetched += sum(t.numel() * 4 for t in (*fetched.theta, *fetched.phi))
+        self._keep(fetched)
         logger.info("[%s] %s: took over the copy of stage %d that %s keeps (inner step %d)", ctx.short_id, self.rule,
                     self.stage, peer[-8:], fetched.inner_step)  # fmt: skip
         return True
