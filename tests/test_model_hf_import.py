@@ -53,16 +53,17 @@ def write_checkpoint(folder, architecture: str = "llama-gqa", tokenizer_vocab: i
     return model
 
 
-def write_run(tmp_path, folder, **model) -> object:
+def write_run(tmp_path, folder, steps: int = 2, lr: float = 1e-9, sections: str = "", **model) -> object:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(sample_text(4000))
     model_lines = "".join(f"{key} = {json.dumps(value)}\n" for key, value in model.items())
     path = tmp_path / "run.toml"
     path.write_text(
         f'name = "imported"\n[model]\nfrom = {json.dumps(str(folder.name))}\n{model_lines}'
-        f"[pipeline]\nstages = 3\n[train]\nsteps = 2\nseq_len = 32\nbatch_size = 8\nmicrobatch_size = 2\n"
-        f"eval_batches = 2\n[optim]\nlr = 1e-9\nwarmup_steps = 0\nweight_decay = 0.0\n"
+        f"[pipeline]\nstages = 3\n[train]\nsteps = {steps}\nseq_len = 32\nbatch_size = 8\nmicrobatch_size = 2\n"
+        f"eval_batches = 2\n[optim]\nlr = {lr}\nwarmup_steps = 0\nweight_decay = 0.0\n"
         f'[averaging]\nmode = "none"\n[defense]\naudit_rate = 0.0\n[data]\npath = {json.dumps(str(corpus))}\n'
+        f"{sections}"
     )
     return path
 
@@ -201,6 +202,34 @@ def test_a_swarm_of_real_daemons_serves_an_imported_checkpoint_with_transformers
     assert done["microbatches_abandoned"] == 0 and done["steps"] == 2
     assert done["probe"] == {"probes": 16, "answered": 16, "hits": 16, "share": 1.0}
     assert first.alive and second.alive and copied.alive
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_lost_stage_of_an_imported_run_with_no_backup_left_comes_back_from_its_checkpoint(swarm, tmp_path):
+    """Stage 2's only replica dies mid-run and no neighbour keeps a backup: the newcomer, which holds the
+    checkpoint, takes the stage's tensors from it (the pretrained model, without the few steps of
+    fine-tuning since) rather than CheckFree's mix of a neighbour, and says so in one line."""
+    from tests.helpers.processes import done_event, progress_events, wait_until
+
+    folder = tmp_path / "hf"
+    write_checkpoint(folder)
+    run_file = write_run(tmp_path, folder, steps=12, lr=1e-3, sections="[repair]\nbackup_every = 0\n")
+    entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
+    common = ("--record-ttl", "6", "--role", "worker", "--run-config", str(run_file), "--checkpoint", str(folder))
+    swarm.start_node([entry], *common, "--stage", "1")
+    lost = swarm.start_node([entry], *common, "--stage", "2", "--inject-crash-at-step", "5")
+    progress = tmp_path / "progress.jsonl"
+    swarm.start_node([entry], *common[:2], "--role", "data", *common[4:], "--progress-file", str(progress))
+    wait_until(lambda: not lost.alive, 180, "stage 2's only replica to crash at step 5")
+    newcomer = swarm.start_node([entry], *common, "--stage", "2")
+    done = wait_until(lambda: done_event(progress), 240, "the data node to finish")
+    lines = [line for line in newcomer.log().splitlines() if "restored from the checkpoint's own tensors" in line]
+    assert len(lines) == 1 and "rebuilt by" not in newcomer.log(), newcomer.log()[-3000:]
+    assert "no backup of it left" not in newcomer.log()  # backups are off: nothing to look for
+    assert done["microbatches_abandoned"] == 0 and done["steps"] == 12, done["abandoned_reasons"]
+    repairs = [(e["stage"], e["rule"]) for e in progress_events(progress) if e["event"] == "repair"]
+    assert repairs == [(2, "checkpoint")]
 
 
 @pytest.mark.multiprocess

@@ -69,7 +69,7 @@ class RepairRecord:
     """How this node rebuilt a stage nobody held any more (CheckFree): the rule, from which stages."""
 
     stage: int = wire_field(ge=1, le=MAX_STAGE)
-    rule: str = wire_field(choices=("checkfree", "copy_partner", "copy", "uniform", "random", "backup"))
+    rule: str = wire_field(choices=("checkfree", "copy_partner", "copy", "uniform", "random", "backup", "checkpoint"))
     sources: tuple[int, ...] = wire_field(max_len=2, item=FieldOptions(ge=1, le=MAX_STAGE))
     inner_step: int = wire_field(ge=0)
     seconds: float = _measure()

@@ -9,6 +9,7 @@ imports torch: the run config is read with it (shoal/config.py), and planners re
 Supported: the LLaMA family as `transformers` writes it, which LLaMA 1/2, SmolLM, TinyLlama, Mistral
 (without a sliding window) and Qwen2/2.5 (its q, k and v biases included) share. The names are in
 `HEAD_NAMES` and `BLOCK_NAMES`, one table used both ways (shoal/model/hf.py moves the tensors).
+A `.gguf` file is read as the folder it converts to (shoal/model/gguf.py, which does import torch).
 """
 
 from __future__ import annotations
@@ -209,8 +210,13 @@ def file_digest(files: list[Path]) -> str:
 
 
 def read_checkpoint(path: str | Path, max_seq_len: int | None = None) -> Checkpoint:
-    """Read and check a checkpoint folder; `max_seq_len` trims the positions a run uses."""
+    """Read and check a checkpoint folder (or a `.gguf` file, converted once into a folder:
+    shoal/model/gguf.py); `max_seq_len` trims the positions a run uses."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from shoal.model.gguf import converted_folder
+
+        path = converted_folder(path)
     where = f"checkpoint {path}"
     try:
         hf = json.loads((path / "config.json").read_text())

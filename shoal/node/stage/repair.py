@@ -1,7 +1,10 @@
 """Rebuilding a stage that no live replica holds any more, from its neighbours (CheckFree, CheckFree+).
 
 A node taking a block stage copies a live replica when there is one (stage_copy.py). When there is
-none but the swarm has trained, the stage's weights are gone with its last replica: the node asks a
+none but the swarm has trained, the stage's weights are gone with its last replica. What survives of
+it is taken first: the backup a neighbouring stage keeps (kept_copies.py), else, in a run imported
+from a checkpoint that this node holds, the checkpoint's own tensors for the stage (the fine-tuning
+since is lost, the pretrained model is not: a neighbour mix would lose it). Only then the node asks a
 replica of each neighbouring stage for its weights and last gradient norms (the same stream as a
 copy), rebuilds the stage by the run's rule (shoal.train.repair), starts a fresh inner optimizer at
 `repair.lr_scale` times the schedule, announces the repair in its record, and only then serves.
@@ -9,6 +12,7 @@ copy), rebuilds the stage by the run's rule (shoal.train.repair), starts a fresh
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -17,6 +21,7 @@ from collections.abc import Collection
 import torch
 from hivemind.utils import get_dht_time
 
+from shoal.model.hf import initial_stage
 from shoal.node.context import NodeContext
 from shoal.node.engine import Repair
 from shoal.node.stage.copy import FetchedStage, StageHolder, adopt_stage, fetch_stage
@@ -67,6 +72,8 @@ async def repair_stage(worker: StageHolder, dead: Collection[str] = ()) -> Repai
         restored = await restore_from_backup(worker, dead)
         if restored is not None:
             return restored
+    if run.model.checkpoint and ctx.checkpoint is not None:
+        return await restore_from_checkpoint(worker, dead)
     started = time.monotonic()
     stages = run.pipeline.stages
     available = {s for s in range(1, stages) if s != worker.stage and _holders(ctx, s, dead)}
@@ -114,6 +121,29 @@ async def repair_stage(worker: StageHolder, dead: Collection[str] = ()) -> Repai
         f" ({repair.note})" if repair.note else "",
     )
     return repair
+
+
+async def restore_from_checkpoint(worker: StageHolder, dead: Collection[str] = ()) -> Repair:
+    """Our stage of an imported run as the checkpoint holds it, with the swarm's counters (from the
+    records, which may lag a heartbeat) and a fresh inner optimizer at the schedule's rate. Where the
+    run has not stepped, the checkpoint is what every replica started from: the same answer."""
+    ctx, run = worker.ctx, worker.ctx.run
+    started = time.monotonic()
+    module = await asyncio.get_running_loop().run_in_executor(
+        None, initial_stage, run.model, run.pipeline.stages, worker.stage, run.train.seed, ctx.checkpoint
+    )
+    weights = [p.detach() for p in module.parameters()]
+    inner_step = _swarm_step(ctx)
+    view = ctx.view
+    outer_epoch = max((n.outer_epoch for n in view.live_nodes() if n.peer_id not in dead), default=0) if view else 0
+    worker.optimizer = InnerOptimizer(worker.module, run.optim, run.train.steps)
+    await adopt_stage(worker, weights, weights, inner_step, outer_epoch)
+    seconds = time.monotonic() - started
+    logger.warning("[%s] stage %d had no replica and no backup left: restored from the checkpoint's own tensors "
+                   "(%s) in %.2f s; the fine-tuning of its %d steps since is lost, the pretrained model is not",
+                   ctx.short_id, worker.stage, ctx.checkpoint.path.name, seconds, inner_step)  # fmt: skip
+    return Repair(stage=worker.stage, rule="checkpoint", sources=[], inner_step=inner_step, seconds=seconds,
+                  at=float(get_dht_time()), note="the run's checkpoint; its fine-tuning since is lost")  # fmt: skip
 
 
 async def _fetch_any(
