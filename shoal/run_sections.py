@@ -110,6 +110,9 @@ class RepairConfig:
     # it (the first keeps the last), refreshed every this many of their inner steps; a stage that loses
     # every replica is restored from it before any rebuild by `rule` is tried. 0: no backups.
     backup_every: int = 10
+    # a run imported from a checkpoint: a lost stage with no backup left comes back from the checkpoint's
+    # own tensors for it, where the node taking it holds the files, before any rebuild by `rule`
+    from_checkpoint: bool = True
 
     @property
     def swaps(self) -> float:

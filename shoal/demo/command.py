@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REPAIR_RULES,
         default=None,
         help="how a lost stage is rebuilt (default: from a neighbour's backup, else the run's rule, checkfree); "
-        "naming a rule turns the backups off, so that the rule is what runs; checkfree_plus also swaps edge stages",
+        "naming a rule turns the backups (and an imported run's restore from its checkpoint) off, so that the rule is "
+        "what runs; checkfree_plus also swaps edge stages",
     )
     parser.add_argument(
         "--averaging",
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     if args.averaging is not None:
         run_config = run_config.replace(averaging_overrides(args.averaging))
     if args.repair is not None:
-        run_config = run_config.replace({"repair.rule": args.repair, "repair.backup_every": 0})
+        rule_only = {"repair.rule": args.repair, "repair.backup_every": 0, "repair.from_checkpoint": False}
+        run_config = run_config.replace(rule_only)
     if not run_config.data.path:  # resolve the corpus once, here, so every node reads the same file
         run_config = with_local_data(run_config, default_corpus_path())
     console = Console(stderr=True)

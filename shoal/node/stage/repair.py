@@ -72,7 +72,7 @@ async def repair_stage(worker: StageHolder, dead: Collection[str] = ()) -> Repai
         restored = await restore_from_backup(worker, dead)
         if restored is not None:
             return restored
-    if run.model.checkpoint and ctx.checkpoint is not None:
+    if run.repair.from_checkpoint and run.model.checkpoint and ctx.checkpoint is not None:
         return await restore_from_checkpoint(worker, dead)
     started = time.monotonic()
     stages = run.pipeline.stages
