@@ -11,10 +11,12 @@ import torch
 
 from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_stage, over_the_wire
-from shoal.node.pipeline.worker.transcripts import PENDING, StepRecorder
+from shoal.node.pipeline.worker.transcripts import TranscriptServer
+from shoal.planning.memory import AUDIT_KEPT_STEPS
 from shoal.run_files import load_run_config
 from shoal.train.inner import InnerOptimizer
 from shoal.train.step_audit import STEP_TOLERANCE, Known, judge_step, replay_step
+from shoal.train.transcripts import PENDING, StepRecorder
 
 RUN = load_run_config("tiny")
 SUBSPACE_RUN = RUN.replace({"model.subspace_rank": 8})
@@ -110,7 +112,7 @@ def test_a_forged_input_or_gradient_a_left_out_microbatch_or_a_wrong_output_fail
 
 def test_the_recorder_keeps_its_last_steps_and_says_when_a_step_is_still_pending():
     recorder, _ = _worker_steps(5)
-    assert len(recorder.steps) == 3
+    assert len(recorder.steps) == AUDIT_KEPT_STEPS == 2
     assert recorder.find("d-0.0#0." + "ab" * 16) is None
     assert recorder.find("d-4.1#0." + "ab" * 16) is recorder.steps[-1]
     recorder.note_backward("d-5.0", torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
@@ -132,4 +134,17 @@ def test_a_step_is_replayed_only_where_it_ran_the_same_way():
 
     assert compute_kind(torch.device("cpu"), None) == "cpu:float32"
     assert compute_kind(torch.device("cuda", 0), torch.bfloat16) == "cuda:bfloat16"
-    assert StepRecorder(enabled=True, compute="cuda:bfloat16").compute == "cuda:bfloat16"
+    assert TranscriptServer(enabled=True, compute="cuda:bfloat16").compute == "cuda:bfloat16"
+
+
+def test_a_step_keeps_one_copy_of_theta_where_nothing_moved_it_since_the_last():
+    recorder, _ = _worker_steps(3)
+    older, last = recorder.steps
+    assert last.before is older.after  # one tensor for both: AUDIT_KEPT_STEPS + 1 copies of θ, not twice that
+    module = build_stage(RUN.model, RUN.pipeline.stages, 1, RUN.train.seed)
+    with torch.no_grad():
+        for p, kept in zip(module.parameters(), last.after, strict=True):
+            p.copy_(kept + 1.0)  # an outer step moved θ between two inner steps
+    recorder.before_step(module, InnerOptimizer(module, RUN.optim, RUN.train.steps))
+    moved = recorder._before[0]
+    assert moved is not last.after and all(torch.equal(a, p) for a, p in zip(moved, module.parameters(), strict=True))

@@ -14,10 +14,12 @@ from shoal.model.llama import BlockStage
 from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_stage, stage_layers
 from shoal.planning.backups import backed_up_stage, keeps_edge_copy
-from shoal.planning.memory import GIB, StageMemory, stage_memory, stage_params
+from shoal.planning.memory import AUDIT_KEPT_STEPS, GIB, StageMemory, stage_memory, stage_params
 from shoal.planning.memory import inflight_budget as memory_inflight_budget
-from shoal.train.inner import InnerOptimizer
+from shoal.train.inner import InnerOptimizer, OptimizerState
 from shoal.train.outer import OuterState
+from shoal.train.step_audit import StepTranscript, replay_step
+from shoal.train.transcripts import StepRecorder
 
 MEMORY_SHARE = 0.25  # of the memory a stage's fixed part leaves, what in-flight activations may take
 MAX_INFLIGHT_CAP = 256
@@ -71,8 +73,16 @@ def stage_need(run: RunConfig, stage: int) -> StageMemory:
     kept = [0] if keeps_edge_copy(run.repair.rule, stages, stage) else []
     backed_up = backed_up_stage(stages, stage) if run.repair.backup_every else None
     kept += [backed_up] if backed_up is not None else []
-    kept_params = sum(stage_params(run.model, len(stage_layers(run.model.n_layers, stages, s)), s) for s in kept)
-    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages, kept_params)
+
+    def params_of(s: int) -> int:
+        return stage_params(run.model, len(stage_layers(run.model.n_layers, stages, s)), s)
+
+    kept_params = sum(params_of(s) for s in kept)
+    audits = run.defense.step_audit_rate > 0
+    audited = run.train.batch_size // run.train.microbatch_size if audits else 0
+    replayed = max(map(params_of, range(1, stages)), default=0) if audits and stage == 0 else 0
+    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages, kept_params,
+                        audited, replayed)  # fmt: skip
 
 
 def memory_for_stages(info: DeviceInfo, limit_gib: float | None) -> int:
@@ -89,8 +99,9 @@ def inflight_budget(run: RunConfig, stage: int, free_bytes: int) -> int:
 def measure_stage_peak(run: RunConfig, stage: int, max_inflight: int, device: torch.device) -> int:
     """Bytes a stage took at its peak: built, `max_inflight` forwards held at once, their backwards
     (B, then W, as a worker runs them) and an inner step, with the outer optimizer's state if the run
-    averages. On the CPU it is the resident set's peak above its size at the call, so other threads'
-    work counts too: the tests run it alone in a fresh process."""
+    averages; where data nodes audit steps, a worker's transcripts and, on stage 0, the replay of an
+    audited step of the largest block stage. On the CPU it is the resident set's peak above its size at
+    the call, so other threads' work counts too: the tests run it alone in a fresh process."""
 
     with PeakMemory(device) as peak:
         _run_stage_rounds(run, stage, max_inflight, device)
@@ -104,8 +115,11 @@ def _run_stage_rounds(run: RunConfig, stage: int, max_inflight: int, device: tor
     module = build_stage(m, run.pipeline.stages, stage, t.seed).to(device)
     optimizer = InnerOptimizer(module, run.optim, t.steps)
     outer = OuterState.from_module(module) if run.averaging.mode != "none" else None
+    recorder = StepRecorder(enabled=stage != 0 and run.defense.step_audit_rate > 0)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(2):  # the second round runs with AdamW's moments allocated, as every later step does
+    # the second round runs with AdamW's moments allocated, as every later step does; audited workers'
+    # transcripts fill up over AUDIT_KEPT_STEPS rounds and the one after
+    for step in range(1 + AUDIT_KEPT_STEPS if recorder.enabled else 2):
         held = []
         for _ in range(max_inflight):
             if stage == 0:
@@ -128,8 +142,35 @@ def _run_stage_rounds(run: RunConfig, stage: int, max_inflight: int, device: tor
             else:
                 x, y, calls = item
                 _, weight_grads = input_grad_first(module, x, y, torch.ones_like(y), calls)
+                recorder.note_backward(str(len(recorder.ids)), x, torch.ones_like(y))
             weight_grads.accumulate()
         del held
+        recorder.before_step(module, optimizer)
         optimizer.step()
+        recorder.after_step(module, step, 1.0)
+    if stage == 0 and run.defense.step_audit_rate > 0:
+        _replay_an_audited_step(run, device, generator)
     synchronize(device)
-    del outer
+    del outer, recorder
+
+
+def _replay_an_audited_step(run: RunConfig, device: torch.device, generator: torch.Generator) -> None:
+    """What a data node holds while a step audit runs: a transcript of the largest block stage's step as
+    it arrives, and its replay (shoal/node/pipeline/data/step_audits.py)."""
+    m, t, stages = run.model, run.train, run.pipeline.stages
+    stage = max(range(1, stages), key=lambda s: len(stage_layers(m.n_layers, stages, s)))
+    module = build_stage(m, stages, stage, t.seed).to(device)
+    params = [p.detach() for p in module.parameters()]
+    rows = t.batch_size // t.microbatch_size
+    transcript = StepTranscript(
+        step=1, lr_scale=1.0,
+        state=OptimizerState(1, (1.0,) * len(params), tuple(torch.zeros_like(p) for p in params),
+                             tuple(torch.ones_like(p) for p in params)),
+        before=tuple(p.clone() for p in params), after=tuple(p.clone() for p in params),
+        microbatch_ids=tuple(str(k) for k in range(rows)),
+        inputs=tuple(torch.randn(t.microbatch_size, t.seq_len, m.residual_dim, generator=generator).to(device)
+                     for _ in range(rows)),
+        output_grads=tuple(torch.randn(t.microbatch_size, t.seq_len, m.residual_dim, generator=generator).to(device)
+                           for _ in range(rows)),
+    )  # fmt: skip
+    replay_step(module, run.optim, t.steps, transcript, torch.float32)

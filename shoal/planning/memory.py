@@ -1,7 +1,8 @@
 """What holding a stage costs in memory, before a node takes it: a pure estimate from the run's shapes.
 
 A stage's memory is what it keeps for the whole run (float32 weights, their gradients, AdamW's two
-moments, and the outer optimizer's slow weights and momentum when replicas average) plus what every
+moments, and the outer optimizer's slow weights and momentum when replicas average; where data nodes
+audit steps, a worker's transcripts of its last steps) plus what every
 microbatch in flight keeps until its backward (the activations autograd saves), plus, on stage 0,
 one loss at a time over the whole vocabulary. The estimate is meant as an upper bound at float32: it
 counts the attention matrix the math kernel materialises and ignores that autocast keeps some tensors
@@ -23,6 +24,9 @@ HEADROOM = 0.1  # of a device's memory a stage may not count on (allocator slack
 # (measured: 100-130 MiB of resident set for the first forward and backward on a CPU)
 RUNTIME_BYTES = 160 * 1024**2
 GIB = 1024**3
+# Inner steps a worker keeps the transcript of for step audits (shoal/train/transcripts.py): a data node
+# asks for the step it audits once that step closes, by which time its worker is at most one step on.
+AUDIT_KEPT_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -64,21 +68,35 @@ def stage_memory(
     stage: int,
     averages: bool,
     kept_params: int = 0,
+    audited_microbatches: int = 0,
+    replayed_params: int = 0,
 ) -> StageMemory:
     """The memory of stage `stage` holding `blocks` blocks (stage 0: the embedding, norm and head);
     `kept_params`: the parameters of neighbouring stages its workers keep copies of (θ and φ each:
-    a block stage's backup, CheckFree+'s copy of stage 0), held on the host."""
+    a block stage's backup, CheckFree+'s copy of stage 0), held on the host; `audited_microbatches`:
+    where data nodes audit steps, the microbatches of a step, whose inputs and output gradients a
+    worker keeps in its transcripts (0: no audits); `replayed_params`: on stage 0, the largest block stage
+    a data node's step audit replays (0: no audits)."""
     params = stage_params(model, blocks, stage)
     # weights, gradients, AdamW's moments, outer φ and momentum, and one more for the step's temporaries
     # (gradient clipping's and the fused AdamW's)
     copies = 1 + 1 + 2 + (2 if averages else 0) + 1
-    fixed = FLOAT_BYTES * (params * copies + 2 * kept_params)
     tokens = microbatch_size * seq_len
+    if audited_microbatches and stage != 0:
+        # transcripts: θ before each kept step and after the last (one tensor where nothing moved θ between
+        # steps), AdamW's moments before each kept step and the next one's while it is taken, and each
+        # microbatch's input and output gradient for the kept steps and the one being gathered
+        copies += (AUDIT_KEPT_STEPS + 1) + 2 * (AUDIT_KEPT_STEPS + 1)
+    io = 2 * FLOAT_BYTES * tokens * model.residual_dim * audited_microbatches * (AUDIT_KEPT_STEPS + 1)
+    fixed = FLOAT_BYTES * (params * copies + 2 * kept_params) + (io if stage != 0 else 0)
     if stage == 0:
         # per microbatch: its embedding output, kept until the gradient comes home; once at a time: the
         # logits, their log-softmax, its gradient and the logits' gradient, over the whole vocabulary
+        # and while a step audit runs: the transcript (θ before and after, both moments), the stage built
+        # to replay it, its gradients and moments, and the replayed θ
+        logits = 4 * FLOAT_BYTES * tokens * model.vocab_size
         return StageMemory(stage, params, fixed, FLOAT_BYTES * tokens * model.d_model,
-                           4 * FLOAT_BYTES * tokens * model.vocab_size)  # fmt: skip
+                           logits + 9 * FLOAT_BYTES * replayed_params)  # fmt: skip
     per_microbatch = blocks * block_activation_bytes(model, microbatch_size, seq_len)
     return StageMemory(stage, params, fixed, per_microbatch + 2 * FLOAT_BYTES * tokens * model.d_model, 0)
 

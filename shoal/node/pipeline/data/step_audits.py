@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from shoal.device import compute_kind
-from shoal.model.hf import initial_stage
-from shoal.model.stages import over_the_wire
+from shoal.model.stages import build_stage, over_the_wire
 from shoal.node.compute import BACKGROUND
 from shoal.node.context import NodeContext
 from shoal.node.pipeline.data.attempts import InFlight
@@ -71,7 +70,6 @@ class StepAuditor:
         self.outputs: dict[str, torch.Tensor] = {}  # wire id -> the output that came home
         self.known: dict[str, dict[str, Known]] = {}  # replica -> wire id -> what we know of it there
         self.stages: dict[str, int] = {}  # replica -> its stage
-        self.modules: dict[int, torch.nn.Module] = {}  # a stage's architecture, to replay on
         self.compute_kind = compute_kind(self.device, self.ctx.compute_dtype)
         self.audits = self.passed = self.failed = self.inconclusive = self.elsewhere = 0
         self.discrepancies: list[float] = []
@@ -160,11 +158,10 @@ class StepAuditor:
         return judge_step(transcript, replayed, known)
 
     def _module(self, stage: int) -> torch.nn.Module:
-        if stage not in self.modules:
-            run = self.run
-            module = initial_stage(run.model, run.pipeline.stages, stage, run.train.seed, self.ctx.checkpoint)
-            self.modules[stage] = module.to(self.device)
-        return self.modules[stage]
+        """The stage's architecture to replay on, built for this audit and dropped after it (its weights are
+        the transcript's): a data node holds no copy of a block stage between audits."""
+        run = self.run
+        return build_stage(run.model, run.pipeline.stages, stage, run.train.seed).to(self.device)
 
     async def _fetch(self, peer: str, microbatch_id: str, module: torch.nn.Module) -> StepTranscript:
         """The transcript, checked as anything from a peer: counts, shapes, sizes, finite values."""

@@ -26,7 +26,7 @@ from shoal.node.pipeline.worker.kept import KeptState, Saved, SentGradient
 from shoal.node.pipeline.worker.notices import note_route, notify_abandon
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.stepper import Stepper
-from shoal.node.pipeline.worker.transcripts import StepRecorder
+from shoal.node.pipeline.worker.transcripts import TranscriptServer
 from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.streams import FramedStream
 from shoal.protocol.pipeline import Ack, BackwardRequest
@@ -46,7 +46,7 @@ class Backwarder:
         kept: KeptState,
         clock: StepClock,
         stepper: Stepper,
-        transcripts: StepRecorder,
+        transcripts: TranscriptServer,
     ) -> None:
         self.hops, self.ctx, self.module = hops, hops.ctx, module
         self.admission, self.kept = admission, kept

@@ -44,7 +44,7 @@ from shoal.node.pipeline.worker.redo import Redo
 from shoal.node.pipeline.worker.step_clock import StepClock
 from shoal.node.pipeline.worker.step_window import StepWindow
 from shoal.node.pipeline.worker.stepper import Stepper
-from shoal.node.pipeline.worker.transcripts import StepRecorder
+from shoal.node.pipeline.worker.transcripts import TranscriptServer
 from shoal.node.pipeline.worker.waits import CloseWaits, close_wait_s
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.stage.copy import join_stage, serve_stage_copy
@@ -83,7 +83,9 @@ class StageWorker(PipelineEngine):
         if run.repair.backup_every and backed_up is not None:
             self.kept_copies[backed_up] = StageCopyKeeper(self, backed_up, run.repair.backup_every, "backup")
         # for data nodes' step audits
-        self.transcripts = StepRecorder(run.defense.step_audit_rate > 0, compute_kind(ctx.device, ctx.compute_dtype))
+        self.transcripts = TranscriptServer(
+            run.defense.step_audit_rate > 0, compute_kind(ctx.device, ctx.compute_dtype)
+        )
         # The protocols, each handed the state it keeps or reads; `self` is passed as the PipelineEngine
         # they send and compute through.
         self.clock = StepClock(step_close_patience_s(run.averaging.exchange_timeout_s), ctx.short_id)

@@ -22,7 +22,7 @@ from shoal.node.compute import BACKWARD
 from shoal.node.engine import GradNorms
 from shoal.node.pipeline.base import PipelineEngine
 from shoal.node.pipeline.worker.step_clock import StepClock
-from shoal.node.pipeline.worker.transcripts import StepRecorder
+from shoal.node.pipeline.worker.transcripts import TranscriptServer
 from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Stepper:
         clock: StepClock,
         module: torch.nn.Module,
         optimizer: Callable[[], InnerOptimizer],
-        transcripts: StepRecorder,
+        transcripts: TranscriptServer,
         grad_norms: GradNorms,
     ) -> None:
         self.hops, self.clock, self.module, self.optimizer = hops, clock, module, optimizer
