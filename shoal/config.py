@@ -146,6 +146,12 @@ def _validate_grpo(g: GRPORunConfig) -> None:
             raise ConfigError(f"grpo.{where}", message)
 
     need(g.task in TASKS, "task", f"must be one of {', '.join(sorted(TASKS))}, got {g.task!r}")
+    need(
+        not TASKS[g.task].chat or bool(g.policy_checkpoint),
+        "task",
+        f"{g.task!r} is a chat task: it needs an imported instruct policy ([grpo.policy] from = DIR or .gguf)",
+    )
+    need(0 <= g.train_last <= 10_000, "train_last", f"must be in 0..10000 (0: every parameter), got {g.train_last}")
     for where, digest in (("policy_checkpoint", g.policy_checkpoint), ("policy_tokenizer", g.policy_tokenizer)):
         need(not digest or DIGEST.fullmatch(digest) is not None, where, "must be a SHA-256 in hex, or empty")
     need(

@@ -204,3 +204,5 @@ class GRPORunConfig:
     # from another checkpoint with the same tokenizer (its own policy, as width and depth are).
     policy_checkpoint: str = ""
     policy_tokenizer: str = ""
+    # an imported policy trains only its last this many blocks and final norm (0: every parameter)
+    train_last: int = 0

@@ -169,7 +169,7 @@ def screen(
         rows = [bundles[j].completions[i] for j, i in same]
         accepted = topk_accept(
             policy,
-            [tokenizer.encode(by_index[c.prompt_index].text) for c in rows],
+            [tokenizer.encode_prompt(by_index[c.prompt_index].text) for c in rows],
             [list(c.tokens) for c in rows],
             cfg.top_k,
         )

@@ -17,9 +17,8 @@ def accuracy(policy: Policy, task: Task, prompts: list[Prompt]) -> float:
     tokenizer = policy.spec.tokenizer()
     was_training = policy.training
     policy.eval()
-    samples = sample(
-        policy, [tokenizer.encode(p.text) for p in prompts], 1, task.max_new_tokens, tokenizer.eos_id, greedy=True
-    )
+    encoded = [tokenizer.encode_prompt(p.text) for p in prompts]
+    samples = sample(policy, encoded, 1, task.max_new_tokens, tokenizer.eos_id, greedy=True)
     policy.train(was_training)
     rewards = [
         task.reward(prompts[row].text, tokenizer.decode(tokens))

@@ -63,7 +63,7 @@ def policy_judge(policy: Policy, tokenizer: PolicyTokenizer, max_new_tokens: int
 
     def generate(text: str) -> str:
         with torch.no_grad():
-            out = sample(policy, [tokenizer.encode(text)], 1, max_new_tokens, tokenizer.eos_id, greedy=True)
+            out = sample(policy, [tokenizer.encode_prompt(text)], 1, max_new_tokens, tokenizer.eos_id, greedy=True)
         return tokenizer.decode(out.completions[0])
 
     return ModelJudge(generate, name="policy")

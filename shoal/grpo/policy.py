@@ -22,9 +22,9 @@ from torch import nn
 
 from shoal.device import autocast
 from shoal.grpo.tasks import get_task
-from shoal.grpo.tokenizer import CharTokenizer, CheckpointTokenizer, PolicyTokenizer
+from shoal.grpo.tokenizer import CharTokenizer, ChatFormat, CheckpointTokenizer, PolicyTokenizer
 from shoal.model.config import ModelConfig
-from shoal.model.llama import DECODER_LAYOUT, BlockStage, HeadStage
+from shoal.model.llama import DECODER_LAYOUT, BlockStage, HeadStage, KVCache
 
 if TYPE_CHECKING:
     from shoal.model.checkpoint import Checkpoint
@@ -77,6 +77,9 @@ class CheckpointPolicySpec:
     warmup_steps: int = 400
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
+    # train only the last this many blocks and the final norm (0: every parameter): on a CPU a
+    # 135M-parameter policy's full backward is most of a round, and the last blocks move its answers most
+    train_last: int = 0
 
     @property
     def model_id(self) -> str:
@@ -88,7 +91,8 @@ class CheckpointPolicySpec:
 
     def tokenizer(self) -> CheckpointTokenizer:
         m = self.checkpoint.model
-        return CheckpointTokenizer(self.checkpoint.tokenizer_file, m.vocab_size, m.tokenizer)
+        chat = ChatFormat.of_checkpoint(self.checkpoint.path) if get_task(self.task).chat else None
+        return CheckpointTokenizer(self.checkpoint.tokenizer_file, m.vocab_size, m.tokenizer, chat)
 
     def model_config(self) -> ModelConfig:
         return self.checkpoint.model
@@ -100,7 +104,7 @@ def check_policy_checkpoint(spec: CheckpointPolicySpec) -> None:
     tokenizer = spec.tokenizer()
     prompt = task.prompt(0, 0, 0).text
     tokenizer.check_round_trip([prompt, task.demonstration(prompt), task.alphabet])
-    longest = len(tokenizer.encode(prompt)) + task.max_new_tokens
+    longest = len(tokenizer.encode_prompt(prompt)) + task.max_new_tokens
     if longest > spec.model_config().max_seq_len:
         raise ValueError(f"a prompt and its completion take {longest} positions, over the model's max_seq_len")
 
@@ -119,6 +123,11 @@ class Policy(nn.Module):
 
             load_stage_weights(self.head, cfg, spec.checkpoint)
             load_stage_weights(self.body, cfg, spec.checkpoint)
+        train_last = getattr(spec, "train_last", 0)
+        if train_last:
+            frozen = [self.head.embedding, self.head.lm_head, *self.body.blocks[: max(0, cfg.n_layers - train_last)]]
+            for module in frozen:
+                module.requires_grad_(False)
         tokenizer: PolicyTokenizer = spec.tokenizer()
         self.pad_id = tokenizer.pad_id
         self._masked = torch.tensor([tokenizer.pad_id]) if tokenizer.masks_padding else None
@@ -128,18 +137,22 @@ class Policy(nn.Module):
     def model_id(self) -> str:
         return self.spec.model_id
 
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.body.blocks))
+
     def place(self, device: torch.device, compute_dtype: torch.dtype | None) -> Policy:
         """Compute on `device`, in `compute_dtype` autocast there (None: float32)."""
         self.compute_dtype = compute_dtype
         return self.to(device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (float32) where `tokens` are: the decoder runs on the policy's device, and the GRPO
         math over its log-probs (sampling, advantages, the loss, the defenses) stays in host memory,
-        where it is a small share of the work and runs the same on every node."""
+        where it is a small share of the work and runs the same on every node. With `cache` (sampling),
+        `tokens` are the positions after the cached ones, and are cached in turn."""
         device = self.head.embedding.weight.device
         with autocast(device, self.compute_dtype):
-            logits = self.head.logits(self.body(self.head.embed(tokens.to(device))))  # (B, T, V)
+            logits = self.head.logits(self.body(self.head.embed(tokens.to(device)), cache=cache))  # (B, T, V)
         logits = logits.float().to(tokens.device)
         return logits if self._masked is None else logits.index_fill(-1, self._masked, float("-inf"))
 

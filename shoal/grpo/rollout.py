@@ -50,7 +50,7 @@ def build_batch(
         gen_logp[i, : len(c.logprobs)] = torch.tensor(c.logprobs)
     texts = [(by_index[c.prompt_index].text, tokenizer.decode(c.tokens)) for c, _ in rows]
     return Batch(
-        prompts=[tokenizer.encode(prompt) for prompt, _ in texts],
+        prompts=[tokenizer.encode_prompt(prompt) for prompt, _ in texts],
         completions=[list(c.tokens) for c, _ in rows],
         gen_logp=gen_logp,
         rewards=torch.tensor([task.reward(prompt, completion) for prompt, completion in texts]),

@@ -56,7 +56,9 @@ class RoundReport:
     checks: tuple[tuple[int, int, str], ...] = ()  # per foreign bundle: (completions, rejected, first reason)
     foreign_rejected: int = 0  # completions the defenses kept out of the groups
     length_cut: int = 0  # completions, own or foreign, whose reward the length rule took
-    defense_s: float = 0.0  # seconds spent in the checks
+    defense_s: float = 0.0  # seconds spent in the checks of received bundles (and the judge, the length rule)
+    score_s: float = 0.0  # seconds spent scoring every completion (decoding it, the task's reward)
+    update_s: float = 0.0  # seconds of the update: log-probs, the loss, its backward and the step
 
 
 def round_prompts(cfg: RoundConfig, round: int) -> list[Prompt]:
@@ -89,7 +91,7 @@ def make_bundle(
     tokenizer, task = policy.spec.tokenizer(), get_task(cfg.task)
     samples = sample(
         policy,
-        [tokenizer.encode(p.text) for p in prompts],
+        [tokenizer.encode_prompt(p.text) for p in prompts],
         cfg.completions_per_prompt,
         task.max_new_tokens,
         tokenizer.eos_id,
@@ -158,7 +160,9 @@ def learn(
     else:
         for j, b in valid:
             checks[j] = (len(b.completions), 0, "")
+    began = time.perf_counter()
     batch = build_batch(task, tokenizer, everything, own, bundles)
+    score_s = time.perf_counter() - began
     if not cfg.defense.enabled and any(b.claimed_rewards for b in bundles):
         scored = batch.rewards[batch.foreign].tolist()
         believed, at = [], 0
@@ -187,6 +191,7 @@ def learn(
             kept = ((batch.rewards >= CORRECT_REWARD) & ~batch.foreign).nonzero().flatten().tolist()
             memory.record([prompt_lengths[i] for i in kept], [int(lengths[i]) for i in kept])
         defense_s += time.perf_counter() - began
+    began = time.perf_counter()
     logp, mask = completion_logprobs(policy, batch.prompts, batch.completions)
     ref_logp = None
     if reference is not None and cfg.grpo.kl_coef > 0:
@@ -199,6 +204,7 @@ def learn(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
     optimizer.step()
+    update_s = time.perf_counter() - began
     own_r, foreign_r = batch.rewards[~batch.foreign], batch.rewards[batch.foreign]
     return RoundReport(
         round=own.round,
@@ -212,6 +218,8 @@ def learn(
         foreign_rejected=sum(rejected for _, rejected, reason in checks if reason != "refused"),
         length_cut=length_cut,
         defense_s=defense_s,
+        score_s=score_s,
+        update_s=update_s,
     )
 
 
@@ -245,5 +253,6 @@ def _groups(
 
 
 def make_optimizer(policy: Policy, cfg: RoundConfig) -> torch.optim.Optimizer:
-    """Adam without weight decay, as in both papers (their lr 5e-6 is for 1.5B models; ours is tiny)."""
-    return torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    """Adam without weight decay, as in both papers (their lr 5e-6 is for 1.5B models; ours is tiny),
+    over the parameters that train (`CheckpointPolicySpec.train_last`)."""
+    return torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)

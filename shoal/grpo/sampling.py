@@ -1,9 +1,9 @@
 """Sampling completions with their per-token log-probs, batched over every prompt at once.
 
-No KV cache: completions are a few tokens long, so re-running the whole (short) sequence per new
-token costs less than keeping a cache would save. Rows that have finished keep getting the policy's
-padding appended (and are cut at their length), so one batch runs until its slowest row ends or
-`max_new_tokens`.
+Each prompt is read once into a key/value cache (shoal.model.llama.KVCache), which is then repeated
+for its `per_prompt` completions; each new token costs one position's compute. Rows that have
+finished keep getting the policy's padding appended (and are cut at their length), so one batch runs
+until its slowest row ends or `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -45,14 +45,18 @@ def sample(
     for row, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(row)
     for rows in by_length.values():
+        cache = policy.new_cache()
+        logits = policy(torch.tensor([prompts[r] for r in rows], dtype=torch.long), cache)[:, -1]  # (prompts, V)
+        cache.repeat_rows(per_prompt)
+        logits = logits.repeat_interleave(per_prompt, dim=0)  # (N, V)
         rows = [r for r in rows for _ in range(per_prompt)]
-        x = torch.tensor([prompts[r] for r in rows], dtype=torch.long)  # (N, P)
         tokens = torch.full((len(rows), max_new_tokens), policy.pad_id, dtype=torch.long)
         logps = torch.zeros(len(rows), max_new_tokens)
         done = torch.zeros(len(rows), dtype=torch.bool)
         lengths = torch.zeros(len(rows), dtype=torch.long)
         for t in range(max_new_tokens):
-            logits = policy(x)[:, -1]  # (N, V)
+            if t:
+                logits = policy(tokens[:, t - 1 : t], cache)[:, -1]  # (N, V)
             if top_k > 0:
                 kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (N, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -66,7 +70,6 @@ def sample(
             tokens[:, t] = tok
             logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0).clamp(max=0.0)
             done |= tok == eos_id
-            x = torch.cat([x, tok[:, None]], dim=1)
             if done.all():
                 break
         for i, row in enumerate(rows):

@@ -7,6 +7,10 @@ protocol's fields; `TASKS` is the registry a run config names tasks from.
 Addition writes its answer's digits reversed (units first), the order in which a left-to-right
 decoder can carry as it writes: a 0.3M-parameter decoder learns `47+38=58$` to ~75 % held-out
 accuracy in a 25 s warm-up on one CPU thread (benchmarks/grpo.py).
+
+Chat tasks (`chat: True`) are for imported instruct models: the prompt is a question in words, which
+the policy's tokenizer wraps in the checkpoint's chat template, and the answer is free text that ends
+where the model ends its turn (the template's end token, which task text writes as `$`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ class Prompt:
 
 class Task(Protocol):
     name: str
-    alphabet: str  # every character a prompt or a completion may hold, EOS included
+    alphabet: str  # every character a prompt or a completion may hold, EOS included ("" : free text)
     max_new_tokens: int  # the longest well-formed completion, EOS included
+    chat: bool  # the prompt is a user turn for a chat template, the completion the assistant's reply
 
     def prompt(self, seed: int, round: int, index: int, split: str = TRAIN) -> Prompt: ...
 
@@ -62,6 +67,7 @@ class Addition:
     name: str
     digits: int
     alphabet: str = "0123456789+=" + EOS
+    chat: bool = False
 
     @property
     def max_new_tokens(self) -> int:
@@ -205,10 +211,70 @@ def _claimed_total(step: str, column: tuple[int, int], carry: int) -> int | str:
     return total
 
 
+@dataclass(frozen=True)
+class ChatArithmetic:
+    """`What is 47 + 38?` for a chat model, answered in free text; the answer is the last number the
+    reply writes before it ends (`The sum is 85.` answers 85; commas inside a number are read through).
+
+    Operands have exactly `digits` digits (one-digit ones may be 0); about a tenth of the operand
+    pairs, chosen by a hash, are held out for evaluation, as in `Addition`. `terms` numbers are added.
+    """
+
+    name: str
+    digits: int
+    terms: int = 2
+    max_new_tokens: int = 24  # room for a short sentence around the number, the end token included
+    alphabet: str = ""  # free text: no character-level policy can take this task
+    chat: bool = True
+
+    def split_of(self, numbers: tuple[int, ...]) -> str:
+        return EVAL if task_seed("chat-split", self.digits, *numbers) % 10 == 0 else TRAIN
+
+    def prompt(self, seed: int, round: int, index: int, split: str = TRAIN) -> Prompt:
+        rng = random.Random(task_seed(seed, self.name, split, round, index))
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        while True:
+            numbers = tuple(rng.randrange(low, 10**self.digits) for _ in range(self.terms))
+            if self.split_of(numbers) == split:
+                question = " + ".join(map(str, numbers))
+                return Prompt(self.name, round, index, f"What is {question}? Answer with the number.")
+
+    def numbers(self, prompt_text: str) -> tuple[int, ...]:
+        match = re.fullmatch(r"What is (\d+(?: \+ \d+)+)\? Answer with the number\.", prompt_text)
+        if match is None:
+            raise ValueError(f"{prompt_text!r} is not a {self.name} prompt")
+        return tuple(int(n) for n in match[1].split(" + "))
+
+    def demonstration(self, prompt_text: str) -> str:
+        return f"{sum(self.numbers(prompt_text))}{EOS}"
+
+    def reward(self, prompt_text: str, completion_text: str) -> float:
+        """1 for a reply that ends and whose last number is the sum, 0.1 for one that ends with another
+        number, 0 for a reply cut off by the length budget or with no number."""
+        answer = read_last_number(completion_text)
+        if answer is None:
+            return 0.0
+        return CORRECT_REWARD if answer == sum(self.numbers(prompt_text)) else FORMAT_REWARD
+
+
+def read_last_number(completion_text: str) -> int | None:
+    """The last number in a reply that ended (its text ends with EOS), or None: a cut-off reply
+    answers nothing, whatever it wrote."""
+    if not completion_text.endswith(EOS):
+        return None
+    found = re.findall(r"-?\d+(?:,\d{3})*", completion_text[: -len(EOS)])
+    return int(found[-1].replace(",", "")) if found else None
+
+
 TASKS: dict[str, Task] = {
     "add2r": Addition("add2r", digits=2),
     "add2r-steps": AdditionSteps("add2r-steps", digits=2),  # working shown: the poisoning experiments' task
     "add3r": Addition("add3r", digits=3),  # out of distribution for a policy trained on add2r
+    # for imported instruct models (a chat template): one-, two- and three-digit sums, and three terms
+    "chat-add1": ChatArithmetic("chat-add1", digits=1),
+    "chat-add2": ChatArithmetic("chat-add2", digits=2),
+    "chat-add3": ChatArithmetic("chat-add3", digits=3),
+    "chat-add2x3": ChatArithmetic("chat-add2x3", digits=2, terms=3),
 }
 
 

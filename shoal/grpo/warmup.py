@@ -38,7 +38,7 @@ def demonstration_batch(spec: Spec, step: int) -> tuple[torch.Tensor, torch.Tens
     seqs, starts = [], []
     for i in range(spec.warmup_batch):
         prompt = task.prompt(seed, step, i, TRAIN).text
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = tokenizer.encode_prompt(prompt)
         seqs.append(prompt_ids + tokenizer.encode(task.demonstration(prompt)))
         starts.append(len(prompt_ids))
     width = max(map(len, seqs))

@@ -90,6 +90,24 @@ class Subspace(nn.Module):
         self.register_buffer("anchors", anchors, persistent=False)
 
 
+class KVCache:
+    """Each block's keys and values of the positions a generating policy has read so far, so that the
+    next token costs one position's compute, not the whole sequence's (GRPO's sampling; never trained)."""
+
+    def __init__(self, n_blocks: int):
+        self.keys: list[torch.Tensor | None] = [None] * n_blocks
+        self.values: list[torch.Tensor | None] = [None] * n_blocks
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].size(2)
+
+    def repeat_rows(self, times: int) -> None:
+        """Every row `times` times in a row (one prompt read once, then sampled `times` ways)."""
+        self.keys = [k.repeat_interleave(times, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(times, dim=0) for v in self.values]
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions; `n_kv_heads` < `n_heads` is grouped-query
     attention (each key/value head serves n_heads / n_kv_heads query heads)."""
@@ -100,16 +118,29 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.qkv_bias)  # rows [q; k; v]
         self.out = nn.Linear(cfg.d_model, cfg.residual_dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, index: int = 0
+    ) -> torch.Tensor:
+        """`cache`: the positions before these (block `index`'s entry), which these are appended to."""
         B, T, C = x.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((C, kv, kv), dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (z.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2) for z in (k, v))
-        q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
+        past = 0 if cache is None or cache.keys[index] is None else cache.keys[index].size(2)
+        q, k = (
+            apply_rotary(q, cos[past : past + T], sin[past : past + T]),
+            apply_rotary(k, cos[past : past + T], sin[past : past + T]),
+        )
+        if cache is not None:
+            if past:
+                k, v = torch.cat((cache.keys[index], k), dim=2), torch.cat((cache.values[index], v), dim=2)
+            cache.keys[index], cache.values[index] = k, v
         grouped = self.kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, H, T, hd)
-        return self.out(y.transpose(1, 2).reshape(B, T, C))
+        # position t sees every cached position and those of its own up to itself
+        mask = None if past == 0 or T == 1 else torch.ones(T, past + T, dtype=torch.bool).tril(past).to(x.device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0, enable_gqa=grouped)
+        return self.out(y.transpose(1, 2).reshape(B, T, C))  # y: (B, H, T, hd)
 
 
 class SwiGLU(nn.Module):
@@ -131,11 +162,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lift: Lift | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lift: Lift | None = None,
+        cache: KVCache | None = None,
+        index: int = 0,
+    ) -> torch.Tensor:
         """`x` is the residual stream, or with `lift` (a Subspace Network) its coefficients, which
         `lift` turns into the stream each sublayer reads."""
         read = x if lift is None else lift(x)
-        x = x + self.attn(self.attn_norm(read), cos, sin)
+        x = x + self.attn(self.attn_norm(read), cos, sin, cache, index)
         read = x if lift is None else lift(x)
         return x + self.mlp(self.mlp_norm(read))
 
@@ -183,10 +222,13 @@ class BlockStage(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """`cache` (a whole policy generating): `x` is the positions after the cached ones."""
         lift = _subspace_lift(self.subspace, tokens)
-        for block in self.blocks:
-            x = block(x, self.cos, self.sin, lift)
+        for index, block in enumerate(self.blocks):
+            x = block(x, self.cos, self.sin, lift, cache, index)
         return x
 
 

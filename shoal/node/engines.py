@@ -119,7 +119,8 @@ async def start_rollout_worker(setup: EngineSetup) -> Engine:
     if run.grpo.policy_checkpoint and checkpoint is None:
         raise UsageError(f"run {run.name} post-trains a checkpoint (grpo.policy.from): give --checkpoint DIR")
     if checkpoint is not None:
-        spec = CheckpointPolicySpec(run.grpo.task, checkpoint, seed=p.seed, warmup_steps=p.warmup_steps)
+        spec = CheckpointPolicySpec(run.grpo.task, checkpoint, seed=p.seed, warmup_steps=p.warmup_steps,
+                                    train_last=run.grpo.train_last)  # fmt: skip
         try:
             check_policy_checkpoint(spec)
         except ValueError as e:

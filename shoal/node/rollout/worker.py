@@ -266,6 +266,7 @@ class RolloutWorker:
         self._in_round = True
         prompts = prompts_of(self.grpo, self.ctx.peer_id, r)
         own = await loop.run_in_executor(None, make_bundle, self.policy, self.cfg, prompts, self.generator)
+        generation_s = time.monotonic() - began
         shared = own
         if self.adversary is not None:
             forgery = await loop.run_in_executor(
@@ -324,7 +325,10 @@ class RolloutWorker:
             "rejected": [rejected for _, rejected, _ in report.checks],
             "foreign_rejected": report.foreign_rejected,
             "length_cut": report.length_cut,
+            "generation_s": round(generation_s, 3),
+            "score_s": round(report.score_s, 4),
             "defense_s": round(report.defense_s, 4),
+            "update_s": round(report.update_s, 3),
             "dropped": list(self.dropped),
             "adversary": None if self.adversary is None else self.adversary.name,
             "marks": self._marks(prompts, own),
