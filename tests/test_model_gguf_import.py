@@ -139,3 +139,10 @@ def test_a_gguf_of_an_architecture_shoal_does_not_compute_is_refused_in_one_line
     (tmp_path / "junk.gguf").write_bytes(b"GGUF but not really")
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         read_checkpoint(tmp_path / "junk.gguf")
+
+
+def test_the_bundled_pretrained_run_without_its_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # `make smollm2` has not run on this machine
+    missing = r"^model.from: checkpoint .*/SmolLM2-135M-Instruct.Q4_1.gguf: no such GGUF file$"
+    with pytest.raises(ConfigError, match=missing):
+        load_run_source("smollm2")

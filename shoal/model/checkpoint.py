@@ -213,7 +213,9 @@ def read_checkpoint(path: str | Path, max_seq_len: int | None = None) -> Checkpo
     """Read and check a checkpoint folder (or a `.gguf` file, converted once into a folder:
     shoal/model/gguf.py); `max_seq_len` trims the positions a run uses."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {path}: no such GGUF file")
         from shoal.model.gguf import converted_folder
 
         path = converted_folder(path)
