@@ -6,8 +6,9 @@ chat arithmetic, alone, sharing naively, and with F-TIS, one of them starting fr
     .venv/bin/python benchmarks/grpo_real.py --seeds 0 --rounds 2 --no-docs   # a smoke run
 
 Three simulated workers in one process per (arm, seed), the horizontal layout (papers/ftis.md §1):
-every round all three derive the same prompts of the task (`chat-add2` by default: "What is 47 + 38?
-Answer with the number.", in the model's chat template; the answer is the last number of a reply that
+every round all three derive the same prompts of the task (`chat-add1` by default: "What is 3 + 7?
+Answer with the number.", in the model's chat template, where this model's sampled replies mix right
+and wrong ones; the answer is the last number of a reply that
 ends, shoal/grpo/tasks.py). Workers a and b start from the instruct model as the GGUF holds it; worker c,
 the odd one, from that model after a short supervised pass on another task (three-term sums answered
 with the bare number), made here and exported as a checkpoint in the same tokenizer. A sharing worker
@@ -18,8 +19,9 @@ backward of 135 M parameters would be most of a round on a CPU). Sampling: tempe
 step's top `--sample-top-k` tokens, the run default, whose log-probs are those of the distribution
 sampled from, so F-TIS's ratios compare like with like.
 
-Held-out accuracy is greedy, on `--eval-prompts` prompts from operand pairs training never shows,
-before the first round and after the last. Reported per round: seconds of generation, scoring,
+Held-out accuracy is on the operand pairs training never shows (9 distinct prompts for `chat-add1`),
+before the first round and after the last: greedy, and sampled as in training (`--eval-samples` replies
+a prompt), the finer of the two. Reported per round: seconds of generation, scoring,
 checking received bundles, and the update. Writes benchmarks/results/grpo_real.json and its section of
 docs/benchmarks.md.
 """
@@ -74,7 +76,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, odd: Path) -> dict:
     from shoal.grpo.loss import GRPOConfig
     from shoal.grpo.policy import CheckpointPolicySpec, Policy
     from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
-    from shoal.grpo.tasks import get_task
+    from shoal.grpo.sampling import sample
+    from shoal.grpo.tasks import CORRECT_REWARD, get_task
     from shoal.model.checkpoint import read_checkpoint
 
     torch.set_num_threads(1)
@@ -91,9 +94,22 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, odd: Path) -> dict:
     optimizers = [make_optimizer(p, cfg) for p in policies]
     memories = [LengthMemory(cfg.defense.length_memory) for _ in policies]
     generators = [torch.Generator().manual_seed(1000 * seed + k) for k in range(len(WORKERS))]
-    heldout = heldout_prompts(task, 0, args.eval_prompts)
+    heldout = list({p.text: p for p in heldout_prompts(task, 0, args.eval_prompts)}.values())  # distinct pairs
+
+    def sampled_accuracy(policy: Policy) -> float:
+        """The share of right answers among `--eval-samples` sampled replies to each held-out prompt."""
+        tokenizer = policy.spec.tokenizer()
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            out = sample(policy, [tokenizer.encode_prompt(p.text) for p in heldout], args.eval_samples,
+                         task.max_new_tokens, tokenizer.eos_id, generator, top_k=args.sample_top_k)  # fmt: skip
+        rewards = [task.reward(heldout[row].text, tokenizer.decode(c))
+                   for row, c in zip(out.prompt_rows, out.completions, strict=True)]  # fmt: skip
+        return sum(r == CORRECT_REWARD for r in rewards) / len(rewards)
+
     started = time.perf_counter()
     before = [accuracy(p, task, heldout) for p in policies]
+    sampled_before = [sampled_accuracy(p) for p in policies]
     times = {"generation_s": [], "score_s": [], "defense_s": [], "update_s": []}
     rounds = []
     for r in range(args.rounds):
@@ -114,7 +130,9 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, odd: Path) -> dict:
         print(f"{arm} seed {seed} round {r}: own correct "
               + " ".join(f"{row['own_correct']:.2f}" for row in rounds[-len(WORKERS):]), flush=True)  # fmt: skip
     after = [accuracy(p, task, heldout) for p in policies]
-    return {"arm": arm, "seed": seed, "before": before, "after": after, "rounds": rounds,
+    sampled_after = [sampled_accuracy(p) for p in policies]
+    return {"arm": arm, "seed": seed, "before": before, "after": after, "sampled_before": sampled_before,
+            "sampled_after": sampled_after, "heldout_prompts": len(heldout), "rounds": rounds,
             "time_split_s": {k: statistics.median(v) for k, v in times.items()},
             "model_ids": [s.model_id for s in specs], "wall_s": time.perf_counter() - started}  # fmt: skip
 
@@ -128,10 +146,14 @@ def summarise(runs: list[dict]) -> dict:
         workers = {}
         for k, name in enumerate(WORKERS):
             gains = [r["after"][k] - r["before"][k] for r in mine]
+            sampled = [r["sampled_after"][k] for r in mine]
             workers[name] = {"before": statistics.median(r["before"][k] for r in mine),
                              "after": statistics.median(r["after"][k] for r in mine),
                              "after_range": [min(r["after"][k] for r in mine), max(r["after"][k] for r in mine)],
-                             "gain": statistics.median(gains), "gain_range": [min(gains), max(gains)]}  # fmt: skip
+                             "gain": statistics.median(gains), "gain_range": [min(gains), max(gains)],
+                             "sampled_before": statistics.median(r["sampled_before"][k] for r in mine),
+                             "sampled_after": statistics.median(sampled),
+                             "sampled_after_range": [min(sampled), max(sampled)]}  # fmt: skip
         split = {key: statistics.median(r["time_split_s"][key] for r in mine) for key in mine[0]["time_split_s"]}
         out[arm] = {"workers": workers, "seeds": len(mine), "time_split_s": split}
     return out
@@ -144,18 +166,19 @@ def markdown(result: dict) -> str:
         cells = []
         for name in WORKERS:
             w = s["workers"][name]
-            lo, hi = w["after_range"]
-            cells.append(f"{100 * w['before']:.0f} → {100 * w['after']:.0f} ({100 * lo:.0f}–{100 * hi:.0f})")
+            lo, hi = w["sampled_after_range"]
+            cells.append(f"{100 * w['before']:.0f} → {100 * w['after']:.0f}; {100 * w['sampled_before']:.0f} → "
+                         f"{100 * w['sampled_after']:.0f} ({100 * lo:.0f}–{100 * hi:.0f})")  # fmt: skip
         t = s["time_split_s"]
         rows.append(f"| {arm} | {' | '.join(cells)} | {t['generation_s']:.1f} / {t['score_s']:.2f} / "
                     f"{t['defense_s']:.2f} / {t['update_s']:.1f} |")  # fmt: skip
     verdict = ""
     if "ftis" in summary and "alone" in summary:
         odd_ftis, odd_alone = summary["ftis"]["workers"]["c"], summary["alone"]["workers"]["c"]
-        diff = 100 * (odd_ftis["after"] - odd_alone["after"])
+        diff = 100 * (odd_ftis["sampled_after"] - odd_alone["sampled_after"])
         side = "above" if diff > 0 else "not above"
-        verdict = (f"The odd worker c ends {diff:+.0f} points against training alone under F-TIS "
-                   f"(medians over {summary['ftis']['seeds']} seeds: {side} alone).")  # fmt: skip
+        verdict = (f"Sampled held-out accuracy: the odd worker c ends {diff:+.0f} points against training alone "
+                   f"under F-TIS (medians over {summary['ftis']['seeds']} seeds: {side} alone).")  # fmt: skip
     intro = (
         f"Reproduce: `make smollm2 && .venv/bin/python benchmarks/grpo_real.py` ({wall_time(result['wall_s'])}, "
         f"{result['machine']}, two (arm, seed) runs at a time, 1 torch thread each). SmolLM2-135M-Instruct "
@@ -164,9 +187,11 @@ def markdown(result: dict) -> str:
         f"the last {cfg['train_last']} blocks and the final norm training, Adam lr {cfg['lr']}, sampling over "
         f"the top {cfg['sample_top_k']} tokens at temperature 1, defenses on). Workers a and b start from the "
         f"instruct model; c from it after {cfg['odd_steps']} supervised steps on three-term sums (another "
-        "checkpoint in the same tokenizer). Greedy held-out accuracy in %, before → after, median over "
-        f"{len(cfg['seeds'])} seed(s) (range of the after value); time split per worker-round: generation / "
-        "scoring / checking received bundles / update, seconds (medians)."
+        "checkpoint in the same tokenizer). Held-out accuracy in % on the task's held-out operand pairs "
+        f"({result['runs'][0]['heldout_prompts']} distinct prompts): greedy before → after; then sampled "
+        f"({cfg['eval_samples']} replies per prompt, as in training) before → after (range over seeds); medians "
+        f"over {len(cfg['seeds'])} seed(s). Time split per worker-round: generation / scoring / checking "
+        "received bundles / update, seconds (medians)."
     )
     return f"""
 ## Collaborative GRPO on SmolLM2-135M-Instruct: alone, naive sharing, F-TIS
@@ -183,7 +208,7 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="chat-add2")
+    parser.add_argument("--task", default="chat-add1", help="chat-add1: where this model's groups mix right and wrong")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--rounds", type=int, default=8)
@@ -192,7 +217,10 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--train-last", type=int, default=4)
     parser.add_argument("--sample-top-k", type=int, default=4)
-    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument(
+        "--eval-prompts", type=int, default=64, help="drawn from the held-out pairs; duplicates dropped"
+    )
+    parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--odd-steps", type=int, default=16)
     parser.add_argument("--odd-lr", type=float, default=2e-5)
     parser.add_argument("--jobs", type=int, default=2)
