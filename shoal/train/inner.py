@@ -93,7 +93,9 @@ def load_optimizer_state(optimizer: InnerOptimizer, state: OptimizerState) -> No
     ):
         if step > 0:
             optimizer.adamw.state[p] = {
-                "step": torch.tensor(step, dtype=torch.float32),
+                # fused AdamW reads `step` on the parameter's device (torch moves it there only when
+                # state goes through load_state_dict); on a GPU a host tensor fails its device check
+                "step": torch.tensor(step, dtype=torch.float32, device=p.device),
                 "exp_avg": avg.to(p).clone(),
                 "exp_avg_sq": avg_sq.to(p).clone(),
             }
