@@ -4,16 +4,20 @@ and its epoch clock, and how a stage worker drives them (`due`, `outer_step`, `l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
 
-from shoal.config import AveragingConfig
+from shoal.config import AveragingConfig, RunConfig
+from shoal.model.stages import build_stage
 from shoal.node.context import NodeContext
 from shoal.node.hooks import Hooks
+from shoal.planning.time_limits import wait_limit_s
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterConfig, OuterState, epoch_ended
+from shoal.train.outer_codec import OuterCodec
 from shoal.train.robust import OuterHistory
 
 
@@ -44,6 +48,26 @@ def outer_codec_name(averaging: AveragingConfig, stage: int) -> str:
     return "float32" if stage == 0 and averaging.stage0 == "gradients" else averaging.codec
 
 
+@functools.cache
+def exchange_timeout_s(run: RunConfig) -> float:
+    """How long an exchange of this run may take: its `averaging.exchange_timeout_s`, or, where longer,
+    the largest exchange one of its stages makes (both sides' pieces by that stage's codec, at the
+    planned link speed: planning/time_limits.py; stage 0's gradients counted as its φ and Δ, an upper
+    bound). One number for the whole run: a step close waits on the outer step of any stage, so data
+    nodes and workers of every stage must agree on it. Shapes come from the stages built on the meta
+    device: no memory, no initialisation."""
+    averaging, stages = run.averaging, run.pipeline.stages
+    if averaging.mode == "none":
+        return averaging.exchange_timeout_s
+    largest = 0
+    for stage in range(stages):
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for p in build_stage(run.model, stages, stage, run.train.seed).parameters()]
+        codec = OuterCodec(outer_codec_name(averaging, stage), averaging.topk_fraction)
+        largest = max(largest, codec.bytes_per_exchange(shapes))
+    return wait_limit_s(averaging.exchange_timeout_s, 2 * largest)
+
+
 class Replica(Protocol):
     """The stage worker an averager works for, as the averager sees it."""
 
@@ -64,7 +88,7 @@ class Averager:
         averaging, defense = ctx.run.averaging, ctx.run.defense
         self.ctx, self.worker = ctx, replica
         self.config = self.outer_config(averaging, replica.stage)
-        self.timeout_s = averaging.exchange_timeout_s
+        self.timeout_s = exchange_timeout_s(ctx.run)
         self.state = OuterState.from_module(replica.module)
         self.epoch = 0  # outer epochs finished
         self.stepping = False  # an outer step is under way: a snapshot must not take new φ with old θ

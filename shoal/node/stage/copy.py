@@ -24,6 +24,7 @@ from shoal.node.rpcs import EngineRpcs
 from shoal.p2p.streams import FramedStream, read_reply
 from shoal.p2p.transport import Transport
 from shoal.planning.donors import donor_order
+from shoal.planning.time_limits import wait_limit_s
 from shoal.protocol.errors import BadTensor
 from shoal.protocol.pipeline import Ack, StageCopy, StageCopyRequest
 from shoal.protocol.tensors import TensorSpec
@@ -36,7 +37,7 @@ WIRE_DTYPE = "float32"
 COPIES_AT_ONCE = 1  # a replica streams one copy of its stage at a time: a second joiner is sent to another
 BUSY = "busy: serving another copy of this stage"
 BUSY_RETRY_S = 0.5
-BUSY_WAIT_S = 120.0  # how long a joiner whose every donor is busy keeps asking
+BUSY_WAIT_S = 120.0  # how long a joiner whose every donor is busy keeps asking, at least (busy_wait_s)
 FAILED_WAIT_S = 3.0  # after every listed donor failed: how long other replicas may appear to copy from
 
 
@@ -250,15 +251,22 @@ async def copy_stage(worker: StageHolder, attempt: CopyAttempt | None = None) ->
     return attempt
 
 
+def busy_wait_s(module: torch.nn.Module) -> float:
+    """How long a joiner asks busy donors again: BUSY_WAIT_S, or longer where one copy of this stage (θ, φ
+    and AdamW's moments, float32) takes longer at the planned link speed (planning/time_limits.py): a
+    donor streams one copy at a time, so a joiner may wait out a whole other copy."""
+    return wait_limit_s(BUSY_WAIT_S, 4 * 4 * sum(p.numel() for p in module.parameters()))
+
+
 async def join_stage(worker: StageHolder) -> CopyAttempt:
     """Copy the stage for a joiner: every listed donor in turn; while all that answered were busy serving
-    others, ask again (up to BUSY_WAIT_S); after every one failed, wait FAILED_WAIT_S for others to
+    others, ask again (up to `busy_wait_s`); after every one failed, wait FAILED_WAIT_S for others to
     appear. Bounded in time: a joiner that got no copy says so, and its caller repairs or starts fresh."""
     attempt = await copy_stage(worker)
-    started = time.monotonic()
+    started, busy_limit_s = time.monotonic(), busy_wait_s(worker.module)
     while attempt.source is None:
         waited = time.monotonic() - started
-        if not ((attempt.busy and waited < BUSY_WAIT_S) or (attempt.failed and waited < FAILED_WAIT_S)):
+        if not ((attempt.busy and waited < busy_limit_s) or (attempt.failed and waited < FAILED_WAIT_S)):
             break
         await asyncio.sleep(BUSY_RETRY_S)
         try:

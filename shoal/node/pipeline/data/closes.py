@@ -9,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from shoal.node.averaging.base import exchange_timeout_s
 from shoal.node.context import NodeContext
 from shoal.node.pipeline.hops import step_close_patience_s
 from shoal.node.rpcs import EngineRpcs
@@ -54,7 +55,7 @@ class StepCloses:
         async def tell(peer: str) -> None:
             await self.ctx.hooks.before_close_sent()  # fault injection: the next step's forwards overtake it
             try:
-                timeout_s = step_close_patience_s(self.ctx.run.averaging.exchange_timeout_s)
+                timeout_s = step_close_patience_s(exchange_timeout_s(self.ctx.run))
                 await self.rpc.step_close(peer, close, timeout_s)
             except Exception as e:
                 logger.info("[%s] step %d close not taken by %s: %s", self.ctx.short_id, step, peer[-8:], e)

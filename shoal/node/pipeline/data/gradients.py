@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from shoal.node.averaging.base import exchange_timeout_s
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
 from shoal.node.pipeline.worker.step_window import STEP_HEADROOM
@@ -44,7 +45,7 @@ class Behind(Exception):
 class GradientExchange:
     def __init__(self, ctx: NodeContext, holder: StageHolder):
         averaging, self.ctx, self.holder = ctx.run.averaging, ctx, holder
-        self.timeout_s = averaging.exchange_timeout_s
+        self.timeout_s = exchange_timeout_s(ctx.run)
         self.codec = OuterCodec("int8" if averaging.codec == "topk" else averaging.codec)
         self.robust, self.tolerance = ctx.run.defense.robust_outer, ctx.run.defense.outer_tolerance
         self.shapes = [tuple(p.shape) for p in holder.module.parameters()]

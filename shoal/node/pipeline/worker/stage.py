@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 
 from shoal.device import compute_kind
 from shoal.model.hf import initial_stage
-from shoal.node.averaging.base import Averager
+from shoal.node.averaging.base import Averager, exchange_timeout_s
 from shoal.node.averaging.modes import AVERAGERS
 from shoal.node.compute import BACKWARD
 from shoal.node.context import NodeContext
@@ -88,12 +88,12 @@ class StageWorker(PipelineEngine):
         )
         # The protocols, each handed the state it keeps or reads; `self` is passed as the PipelineEngine
         # they send and compute through.
-        self.clock = StepClock(step_close_patience_s(run.averaging.exchange_timeout_s), ctx.short_id)
+        self.clock = StepClock(step_close_patience_s(exchange_timeout_s(run)), ctx.short_id)
         self.stepper = Stepper(self, self.clock, self.module, lambda: self.optimizer, self.transcripts, self.grad_norms)
         self.kept = KeptState(ctx.config.limits, self.stepper.graph_dropped)
         window = StepWindow(ctx, self.clock, lambda: self.optimizer.step_count)
         self.admission = Admission(self, stage, self.kept, window)
-        wait_s = close_wait_s(ctx.config.limits, run.averaging.exchange_timeout_s)
+        wait_s = close_wait_s(ctx.config.limits, exchange_timeout_s(run))
         self.waits = CloseWaits(self.clock, self.admission, self.kept, self.stepper, wait_s)
         self.forwarder = Forwarder(self, stage, self.module, self.admission, self.clock, self.stepper, self.kept)
         self.backwarder = Backwarder(
