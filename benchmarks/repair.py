@@ -1,5 +1,6 @@
 """Stage repair without checkpoints: CheckFree and CheckFree+ against copying a neighbour, random
-re-initialisation and roll-back to periodic checkpoints (issue 10, papers/checkfree.md).
+re-initialisation, roll-back to periodic checkpoints (issue 10, papers/checkfree.md) and the live
+daemons' stage backups held by a neighbour (issue 56).
 
     .venv/bin/python benchmarks/repair.py                 # 300 steps, seed 0: 20 min (1203 s) on one thread
     .venv/bin/python benchmarks/repair.py --seeds 0 1     # medians and spread over two seeds: 36 min (2176 s)
@@ -18,6 +19,17 @@ rule rebuilds them from the neighbours' current weights and last gradient norms,
 fresh inner optimizer at `repair.lr_scale` x the schedule, its step count continuing. "random"
 draws a fresh initialisation. CheckFree+ runs route every other microbatch through `swapped_order`
 (`swap_variant`, the data node's rule).
+
+"backup" is the daemons' rule beyond the papers (`repair.backup_every`, shoal/planning/backups.py,
+shoal/node/stage/kept_copies.py): the workers of one neighbouring block stage keep a copy of each block
+stage (stage s kept by stage s+1, the last by the first), taken at the end of every inner step that brings
+the count to a multiple of `backup_every` (every run takes them: training is untouched; only "backup" uses
+them). A stage lost at step k comes back as its keeper's copy was then (at most `backup_every` steps old),
+with a fresh inner optimizer at the schedule (lr_scale 1.0, its step count continuing), as
+`restore_from_backup` does. The simulation has no outer step and so no φ: the copy is θ only (the cost
+below counts θ and φ, as the daemons keep them). Where no copy is left (its keeper lost in the same
+failure, or none taken yet) the stage is rebuilt by the run's CheckFree rule, from the stages alive or
+already restored; a lost keeper, back, copies its stage at once, as a starting keeper does.
 
 Every strategy of an experiment trains the same steps on the same batches from the same seed under
 the same failure schedule. Runs are identical until their first failure, so each strategy branches
@@ -50,6 +62,7 @@ from docs_section import write_section
 from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.model.stages import build_all_stages, forward_route
+from shoal.planning.backups import backed_up_stage, backup_keepers
 from shoal.run_files import FULL_PRECISION, load_run_config
 from shoal.train.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
 from shoal.train.failures import Failure, by_slot, checkpoint_timeline, rate_failures, single_wipes, step_probability
@@ -106,7 +119,10 @@ STRATEGIES = {
     "copy": ({"repair.rule": "copy"}, "none"),
     "random": ({"repair.rule": "random"}, "none"),
     "checkfree_plus": ({"repair.rule": "checkfree_plus"}, "none_swaps"),
+    "backup": ({"repair.rule": "checkfree", "repair.weights_from": "unclipped"}, "none"),  # + RESTORES
 }
+RESTORES = {"backup"}  # strategies that restore a lost block stage from its keeper's copy first
+BACKUP_BYTES_PER_PARAMETER = 8  # θ and φ in float32, as a keeper holds and fetches them
 BASES = {"none": {"repair.rule": "checkfree"}, "none_swaps": {"repair.rule": "checkfree_plus"}}
 
 
@@ -153,6 +169,10 @@ class Pipeline:
         self.norms = [float("nan")] * self.stages  # each stage's last unclipped gradient norm
         # CheckFree+: stage 0's neighbours copy it every `repair.edge_copy_every` steps (node/stage/edge_copy.py)
         self.stage0_copy: tuple[int, list[torch.Tensor]] | None = None  # (steps trained, weights)
+        # Stage backups (`repair.backup_every`): block stage -> (steps trained, weights, gradient norm) of the
+        # copy its keeper holds; taken in every run, used only where `restores` (the "backup" strategy)
+        self.backups: dict[int, tuple[int, list[torch.Tensor], float]] = {}
+        self.restores = False
 
     def branch(self, run: RunConfig) -> Pipeline:
         """A copy to train on under another repair config (only the repair section may differ)."""
@@ -178,7 +198,16 @@ class Pipeline:
         every = self.run.repair.edge_copy_every
         if self.run.repair.rule == "checkfree_plus" and (step + 1) % every == 0:
             self.stage0_copy = (step + 1, [p.detach().clone() for p in self.head.parameters()])
+        every = self.run.repair.backup_every
+        if every and (step + 1) % every == 0:  # each keeper copies at the end of its inner step
+            for stage in range(1, self.stages):
+                self._keep_backup(stage, step + 1)
         return total / n
+
+    def _keep_backup(self, stage: int, steps_trained: int) -> None:
+        if backup_keepers(self.stages, stage):
+            weights = [p.detach().clone() for p in self.blocks[stage - 1].parameters()]
+            self.backups[stage] = (steps_trained, weights, self.norms[stage])
 
     @torch.no_grad()
     def evaluate(self, splits: TokenSplits, skip: list[int] = ()) -> float:
@@ -215,14 +244,57 @@ class Pipeline:
         self.optimizers[0].step_count = step
         return {"slot": slot, "stage": 0, "rule": rule, "sources": [], "mix": [], "note": note, "norms": []}
 
+    def _restore(self, stage: int, lost: list[int], slot: int) -> tuple[dict | None, str]:
+        """The "backup" strategy: `stage` back as the copy its keeper holds, with a fresh inner optimizer at
+        the schedule (lr_scale 1.0, its step count going on), as `restore_from_backup` does; (None, why)
+        where no copy is left."""
+        keepers = backup_keepers(self.stages, stage)
+        if not keepers:
+            return None, "no keeper"
+        if all(k in lost for k in keepers):
+            return None, "keeper lost in the same failure"
+        if stage not in self.backups:
+            return None, f"no copy taken yet: the first is at step {self.run.repair.backup_every}"
+        copied_at, weights, norm = self.backups[stage]
+        module = self.blocks[stage - 1]
+        with torch.no_grad():
+            for p, w in zip(module.parameters(), weights, strict=True):
+                p.copy_(w)
+        optimizer = InnerOptimizer(module, self.run.optim, self.run.train.steps)
+        optimizer.step_count = self.optimizers[stage].step_count  # the schedule goes on
+        self.optimizers[stage] = optimizer
+        self.norms[stage] = norm  # the live copy carries its gradient norms too
+        age = slot - copied_at
+        record = {
+            "slot": slot,
+            "stage": stage,
+            "rule": "backup",
+            "sources": [k for k in keepers if k not in lost],
+            "mix": [],
+            "note": f"the copy kept at step {copied_at}, {age} step(s) old",
+            "norms": [],
+            "backup_age": age,
+        }
+        return record, ""
+
     def repair(self, lost: list[int], slot: int) -> list[dict]:
-        """Wipe the lost stages, then rebuild each by the run's rule from the stages still alive."""
+        """Wipe the lost stages, then rebuild each by the run's rule from the stages still alive (under
+        "backup", first restore those whose keeper still holds a copy, and rebuild only the rest)."""
         for stage in lost:
             self.wipe(stage)
         available = set(range(1, self.stages)) - set(lost)
         clip, rule = self.run.optim.grad_clip, self.run.repair.rule
         records = [self._repair_stage0(slot)] if 0 in lost else []
-        for stage in (s for s in lost if s > 0):
+        fallbacks: dict[int, str] = {}
+        if self.restores:
+            for stage in (s for s in lost if s > 0):
+                record, why = self._restore(stage, lost, slot)
+                if record is None:
+                    fallbacks[stage] = why
+                else:
+                    records.append(record)
+                    available.add(stage)  # restored before the rest are rebuilt from what is alive
+        for stage in (s for s in lost if s > 0 and s not in available):
             plan = plan_repair(stage, self.stages, available, rule)
             neighbours = [
                 Neighbour(
@@ -247,12 +319,20 @@ class Pipeline:
                 "note": repaired.note,
                 "norms": [round(n.grad_norm, 4) for n in neighbours],
             }
+            if stage in fallbacks:
+                record["backup_fallback"] = fallbacks[stage]
             if len(neighbours) == 2:  # what each weighting would have given, whichever this run uses
                 mixes = {source: neighbour_weights(neighbours, source) for source in ("unclipped", "clipped")}
                 for source, mix in mixes.items():
                     record[f"mix_{source}"] = [round(w, 4) for w in mix]
                 record["weightings_agree"] = mixes["unclipped"] == mixes["clipped"]  # exactly
             records.append(record)
+        if self.restores:  # a lost keeper's copy went with it; back, it copies its stage at once
+            for keeper in (s for s in lost if s > 0):
+                kept = backed_up_stage(self.stages, keeper)
+                self.backups.pop(kept, None)
+                if kept is not None and self.run.repair.backup_every:
+                    self._keep_backup(kept, slot)
         return records
 
     def state(self) -> dict:
@@ -343,6 +423,7 @@ class Experiment:
             return Trace(strategy, list(reference.losses), dict(reference.val), [], 0)
         start = min(lost_at)
         pipe = self.copies[base][start].branch(self.config(overrides))
+        pipe.restores = strategy in RESTORES
         losses = reference.losses[:start]
         val = {k: v for k, v in reference.val.items() if k <= start}
         repairs = []
@@ -434,22 +515,52 @@ def failure_measures(
             None,
         )
         repairs = [r for r in trace.repairs if r["slot"] == k]
-        out.append(
-            {
-                "slot": k,
-                "stages": [r["stage"] for r in repairs],
-                "rules": [r["rule"] for r in repairs],
-                "spike": trace.losses[k] - statistics.fmean(trace.losses[k - smooth : k]),
-                "spike_paired": gap[k] - pre_gap,
-                "val_jump": repairs[0]["val_after"] - repairs[0]["val_before"],
-                "stage_worth": None
-                if repairs[0]["val_skipped"] is None
-                else repairs[0]["val_skipped"] - repairs[0]["val_before"],
-                "recover_steps": recovered,
-                "recover_window": end - k - smooth,
-            }
-        )
+        event = {
+            "slot": k,
+            "stages": [r["stage"] for r in repairs],
+            "rules": [r["rule"] for r in repairs],
+            "spike": trace.losses[k] - statistics.fmean(trace.losses[k - smooth : k]),
+            "spike_paired": gap[k] - pre_gap,
+            "val_jump": repairs[0]["val_after"] - repairs[0]["val_before"],
+            "stage_worth": None
+            if repairs[0]["val_skipped"] is None
+            else repairs[0]["val_skipped"] - repairs[0]["val_before"],
+            "recover_steps": recovered,
+            "recover_window": end - k - smooth,
+        }
+        if trace.strategy in RESTORES:
+            event["backup_ages"] = [r["backup_age"] for r in repairs if r["rule"] == "backup"]
+            event["backup_fallbacks"] = [r["backup_fallback"] for r in repairs if "backup_fallback" in r]
+        out.append(event)
     return out
+
+
+def backup_counts(repairs: list[dict]) -> dict:
+    """A "backup" run's restores, how old their copies were, and its fallbacks to the run's rule, by why."""
+    fallbacks: dict[str, int] = {}
+    for r in repairs:
+        if "backup_fallback" in r:
+            fallbacks[r["backup_fallback"]] = fallbacks.get(r["backup_fallback"], 0) + 1
+    ages = [r["backup_age"] for r in repairs if r["rule"] == "backup"]
+    return {"restored": len(ages), "ages": ages, "fallbacks": fallbacks, "fallen_back": sum(fallbacks.values())}
+
+
+def backup_cost(run: RunConfig) -> dict:
+    """What the daemons' backups cost in this run: a copy is the kept block stage's θ and φ in float32
+    (8 bytes a parameter), fetched every `backup_every` of the keeper's steps and held in its memory."""
+    _, blocks = build_all_stages(run.model, run.pipeline.stages, run.train.seed)
+    params = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    every = run.repair.backup_every
+    per_backup = [BACKUP_BYTES_PER_PARAMETER * n for n in params]
+    return {
+        "backup_every": every,
+        "bytes_per_parameter": BACKUP_BYTES_PER_PARAMETER,
+        "parameters_by_block_stage": params,
+        "bytes_per_backup": per_backup,
+        "bytes_per_step_per_keeper": [b / every for b in per_backup] if every else None,
+        "bytes_per_step_all_keepers": sum(per_backup) / every if every else None,
+        "memory_per_keeper_node_bytes": per_backup,
+    }
 
 
 def modelled_hours(
@@ -492,14 +603,14 @@ def plan(steps: int, seed: int, rate_scale: float, rate_baselines: list[str], st
     schedules = {
         "interior": (
             single_wipes([(q, MIDDLE), (2 * q, MIDDLE + 1), (3 * q, MIDDLE)]),
-            ["checkfree", "checkfree_clipped", "uniform", "copy", "random"],
+            ["checkfree", "checkfree_clipped", "uniform", "copy", "random", "backup"],
         ),
-        "edge": (single_wipes([(third, 1), (2 * third, 6)]), ["checkfree_plus", "checkfree"]),
+        "edge": (single_wipes([(third, 1), (2 * third, 6)]), ["checkfree_plus", "checkfree", "backup"]),
         "stage0": (single_wipes([(q, 0), (3 * q, 0)]), ["checkfree_plus", "checkfree"]),
     }
     for rate in RATES:
         failures = rate_failures(rate, step_s, range(1, 7), horizon, seed, rate_scale)
-        strategies = ["checkfree", "checkfree_plus"] + (rate_baselines if rate == RATES[-1] else [])
+        strategies = ["checkfree", "checkfree_plus", "backup"] + (rate_baselines if rate == RATES[-1] else [])
         schedules[f"rate_{round(rate * 100)}"] = (failures, strategies)
     return schedules
 
@@ -577,6 +688,8 @@ def run_seed(args, seed: int) -> dict:
                 "losses": [round(x, 4) for x in trace.losses],
                 "val": {str(k): round(v, 4) for k, v in trace.val.items()},
             }
+            if strategy in RESTORES:
+                entry["backup"] = backup_counts(trace.repairs)
             if in_run:
                 entry["failures"] = failure_measures(trace, reference, in_run, args.steps, args.smooth)
             entry["hours"], entry["reached"] = modelled_hours(
@@ -637,6 +750,9 @@ def summarise(seeds: list[dict]) -> dict:
                 "final_val": [r["experiments"][experiment]["strategies"][strategy]["final_val"] for r in seeds],
                 "rules": sorted({rule for e in events for rule in e["rules"]}),
             }
+            if strategy in RESTORES:
+                rows[strategy]["backup_ages"] = [a for e in events for a in e["backup_ages"]]
+                rows[strategy]["backup_fallbacks"] = [f for e in events for f in e["backup_fallbacks"]]
         out["per_failure"][experiment] = rows
     for name in (f"rate_{round(r * 100)}" for r in RATES):
         sections = [r["experiments"][name] for r in seeds]
@@ -657,6 +773,8 @@ def summarise(seeds: list[dict]) -> dict:
                 "hours": [e["hours"] for e in entries],
                 "reached": [e["reached"] for e in entries],
             }
+            if strategy in RESTORES:
+                row["strategies"][strategy]["backup"] = [e["backup"] for e in entries]
         row["checkpointing"] = {
             k: {
                 "every_steps": sections[0]["checkpointing"][k]["every_steps"],
@@ -667,7 +785,7 @@ def summarise(seeds: list[dict]) -> dict:
             for k in sections[0]["checkpointing"]
         }
         ratios = {}
-        for strategy in ("checkfree", "checkfree_plus"):
+        for strategy in (s for s in ("checkfree", "checkfree_plus", "backup") if s in sections[0]["strategies"]):
             for k in sections[0]["checkpointing"]:
                 ratios[f"{strategy}/checkpoint_{k}"] = [
                     s["strategies"][strategy]["hours"] / s["checkpointing"][k]["hours"] for s in sections
@@ -694,6 +812,7 @@ LABELS = {
     "copy": "copy one neighbour",
     "random": "random re-initialisation",
     "checkfree_plus": "CheckFree+",
+    "backup": "backup held by the neighbour (else CheckFree)",
 }
 
 
@@ -749,6 +868,24 @@ def reading(result: dict) -> str:
         f"{_median(fresh['recover_steps']):.0f}, final val loss {_median(plus['final_val']):.3f} vs "
         f"{_median(fresh['final_val']):.3f} (paper: E and E⁻¹ recovered exactly)."
     )
+    if "backup" in interior:
+        b, c = interior["backup"], interior["checkfree"]
+        lines.append(
+            f"- Interior wipes, backup vs CheckFree: val-loss jump {_median(b['val_jump']):.3f} vs "
+            f"{_median(c['val_jump']):.3f}, spike vs no-failure {_median(b['spike_paired']):.3f} vs "
+            f"{_median(c['spike_paired']):.3f}, steps to recover {_median(b['recover_steps']):.0f} vs "
+            f"{_median(c['recover_steps']):.0f}, final val loss {_median(b['final_val']):.3f} vs "
+            f"{_median(c['final_val']):.3f}."
+        )
+    if "backup" in edge:
+        b = edge["backup"]
+        lines.append(
+            f"- Edge wipes, backup vs CheckFree+ vs copy without swaps: val-loss jump {_median(b['val_jump']):.2f} vs "
+            f"{_median(cf['val_jump']):.2f} vs {_median(cp['val_jump']):.2f}, steps to recover "
+            f"{_median(b['recover_steps']):.0f} vs {_median(cf['recover_steps']):.0f} vs "
+            f"{_median(cp['recover_steps']):.0f}, final val loss {_median(b['final_val']):.3f} vs "
+            f"{_median(cf['final_val']):.3f} vs {_median(cp['final_val']):.3f}."
+        )
     swap = s["swap_cost"]
     lines.append(
         f"- No failures, swaps cost: steps to the target {_median(swap['none_swaps']['steps_to_target']):.0f} with "
@@ -762,6 +899,9 @@ def reading(result: dict) -> str:
         for strategy, label in (("checkfree", "CheckFree"), ("checkfree_plus", "CheckFree+")):
             ours = spread(r["ratios"][f"{strategy}/checkpoint_100"], 2, r["ratios"][f"{strategy}/reached"])
             cells.append(f"{label} {ours} (paper {r['paper_ratios'][strategy]:.2f})")
+        if "backup/checkpoint_100" in r["ratios"]:
+            ours = spread(r["ratios"]["backup/checkpoint_100"], 2, r["ratios"]["backup/reached"])
+            cells.append(f"backup {ours} (no paper figure; {backup_rate_cell(r['strategies']['backup']['backup'])})")
         lines.append(
             f"- {pct} %/h, time to target over checkpointing every 100 iterations: {'; '.join(cells)}; "
             f"{_median(r['failures_in_run']):.0f} failures in the run."
@@ -783,6 +923,59 @@ def reading(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rules_cell(r: dict) -> str:
+    """The rules a strategy applied; under "backup", how old its copies were and why it fell back."""
+    if "backup_ages" not in r:
+        return ", ".join(r["rules"])
+    ages, whys = r["backup_ages"], r["backup_fallbacks"]
+    text = f"backup x{len(ages)}" + (f", copies {spread(ages, 0)} step(s) old" if ages else "")
+    for why in sorted(set(whys)):
+        text += f"; CheckFree x{whys.count(why)} ({why})"
+    return text
+
+
+def backup_rate_cell(counts: list[dict]) -> str:
+    restored = [c["restored"] for c in counts]
+    fallen = [c["fallen_back"] for c in counts]
+    return f"restored {spread(restored, 0)}, CheckFree {spread(fallen, 0)}"
+
+
+def backup_section(result: dict) -> str:
+    """The stage-backup rule (issue 56): what it does here and what it costs."""
+    cost, s = result["backup_cost"], result["summary"]
+    every, per_backup = cost["backup_every"], cost["bytes_per_backup"][0]
+    fallbacks: dict[str, int] = {}
+    restored = 0
+    for seed in result["seeds"]:
+        for section in seed["experiments"].values():
+            counts = section["strategies"].get("backup", {}).get("backup")
+            if counts:
+                restored += counts["restored"]
+                for why, n in counts["fallbacks"].items():
+                    fallbacks[why] = fallbacks.get(why, 0) + n
+    whys = "; ".join(f"{n} x {why}" for why, n in sorted(fallbacks.items())) or "none"
+    ages = s["per_failure"]["interior"]["backup"]["backup_ages"] + s["per_failure"]["edge"]["backup"]["backup_ages"]
+    per_step, ring = cost["bytes_per_step_per_keeper"][0], cost["bytes_per_step_all_keepers"]
+    keepers, held = len(cost["bytes_per_backup"]), cost["memory_per_keeper_node_bytes"][0]
+    return f"""## Stage backups held by a neighbour (the daemons' rule beyond the papers)
+
+Row "backup" in the tables above and below: the live daemons' `repair.backup_every` ({every}): the workers of
+block stage s+1 keep a copy of block stage s (block stage 1 keeps the last), taken here at the end of every
+inner step that brings the count to a multiple of {every}, so a copy is 0 to {every - 1} steps old (the single
+wipes' copies: {", ".join(str(x) for x in ages)} steps). A lost block stage comes back as its keeper's copy,
+with a fresh AdamW at 1.0 x the schedule, its step count going on (`restore_from_backup`); where no copy is
+left (its keeper lost in the same failure, or none taken yet) it is rebuilt by the run's CheckFree rule from
+the stages alive or already restored, and a keeper that was lost copies its stage again at once. This
+simulation has no outer step, so no φ: the copy restores θ only. The modelled clock charges a restore the
+same {T_RECOVER_S:.0f} s as a rebuild; the copies' transfers are not charged (they run beside training).
+Restores over {"the seed" if len(result["seeds"]) == 1 else "the seeds"}: {restored}; fallbacks to CheckFree: {whys}.
+
+**Cost** (θ and φ in float32, {cost["bytes_per_parameter"]} bytes a parameter; here one block stage is
+{cost["parameters_by_block_stage"][0]:,} parameters): {per_backup / 1e6:.2f} MB per backup, {per_step / 1e3:.1f} kB
+per step per keeper (every {every} steps), {ring / 1e6:.2f} MB per step over the {keepers} keepers of the ring,
+and {held / 1e6:.2f} MB of host memory on every keeper node (8 bytes per parameter of the stage it keeps)."""
+
+
 def markdown(result: dict) -> str:
     s, a = result["summary"], result["args"]
     seeds = result["seeds"]
@@ -793,7 +986,7 @@ def markdown(result: dict) -> str:
         rows = []
         for strategy, r in s["per_failure"][experiment].items():
             rows.append(
-                f"| {labels.get(strategy, strategy)} | {', '.join(r['rules'])} | {spread(r['spike'], 2)} "
+                f"| {labels.get(strategy, strategy)} | {rules_cell(r)} | {spread(r['spike'], 2)} "
                 f"| {spread(r['spike_paired'], 2)} | {spread(r['val_jump'], 2)} | {spread(r['stage_worth'], 2)} "
                 f"| {spread(r['recover_steps'], 0)} | {spread(r['final_val'], 3)} |"
             )
@@ -822,15 +1015,20 @@ def markdown(result: dict) -> str:
             cells.append(f"{LABELS[strategy]}: {text or 'none'}")
         return f"- seed {seed['seed']}, {pct} %/h: " + "; ".join(cells)
 
-    edge_labels = {"checkfree_plus": "CheckFree+ (swaps, copy the partner)", "checkfree": "copy neighbour, no swaps"}
+    edge_labels = {
+        "checkfree_plus": "CheckFree+ (swaps, copy the partner)",
+        "checkfree": "copy neighbour, no swaps",
+        "backup": "backup held by the neighbour, no swaps",
+    }
     stage0_labels = {"checkfree_plus": "CheckFree+ (the neighbours' copy)", "checkfree": "no copy: fresh weights"}
     rate_rows = []
     for r in s["rates"].values():
         pct = f"{round(r['rate_per_hour'] * 100)} %"
         base = f"| {pct} | {r['p_step']:.4f} | {spread(r['failures_in_run'], 0)} "
         for strategy, e in r["strategies"].items():
+            label = LABELS[strategy] + (f" ({backup_rate_cell(e['backup'])})" if "backup" in e else "")
             rate_rows.append(
-                base + f"| {LABELS[strategy]} | {spread(e['final_val'])} | "
+                base + f"| {label} | {spread(e['final_val'])} | "
                 f"{spread(e['steps_to_target'], 0)} | {spread(e['hours'], 1, e['reached'])} |"
             )
         for k, c in r["checkpointing"].items():
@@ -916,6 +1114,8 @@ def markdown(result: dict) -> str:
         if setting == "tiny"
         else ""
     )
+    restore_note = '; "backup" restores it from a copy, at 1.0 x' if "backup_cost" in result else ""
+    backups = backup_section(result) + "\n\n" if "backup_cost" in result else ""
     return f"""# CheckFree: rebuilding a lost stage from its neighbours{title}
 
 `{result["command"]}` ({a["steps"]} steps, seeds {", ".join(str(x["seed"]) for x in seeds)}; {result["wall_s"]:.0f} s on
@@ -925,7 +1125,7 @@ block stages), batch 8 x 64 tokens in 4 microbatches,
 the tiny run's optimizer (AdamW, cosine schedule, per-stage clipping at 1.0){init}, data: {first["data"]}. One
 process, the project's stages, inner optimizers and repair rules; every strategy trains the same steps on
 the same batches from the same seed under the same failure schedule. A failure of stage s at step k wipes
-it before step k; the rule rebuilds it and it gets a fresh AdamW at 1.1 x the schedule (every rule alike).
+it before step k; the rule rebuilds it and it gets a fresh AdamW at 1.1 x the schedule (every rule alike{restore_note}).
 Cells: median (min–max) over {failures_of} (per-failure columns) or over {over_seeds} (final val
 loss, the rate tables).
 
@@ -970,7 +1170,7 @@ own kind; "skipping the stage" does not apply (no route leaves stage 0 out).
 
 {per_failure_table("stage0", stage0_labels)}
 
-## Failure rates: modelled wall-clock to a target validation loss
+{backups}## Failure rates: modelled wall-clock to a target validation loss
 
 Failures per block stage per hour mapped onto steps with p = 1 − (1 − p_h)^(t_step/3600), {mapping}; each of
 the six block stages draws independently
@@ -1071,6 +1271,7 @@ def main() -> int:
             "paper_hours": {str(k): v for k, v in PAPER_HOURS.items()},
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "backup_cost": backup_cost(bench_run(args.steps, args.seeds[0], args.setting)),
         "wall_s": time.monotonic() - started,
         "seeds": seeds,
     }
