@@ -104,9 +104,17 @@ def check_policy_checkpoint(spec: CheckpointPolicySpec) -> None:
     tokenizer = spec.tokenizer()
     prompt = task.prompt(0, 0, 0).text
     tokenizer.check_round_trip([prompt, task.demonstration(prompt), task.alphabet])
-    longest = len(tokenizer.encode_prompt(prompt)) + task.max_new_tokens
+    longest = rollout_seq_len(spec)
     if longest > spec.model_config().max_seq_len:
         raise ValueError(f"a prompt and its completion take {longest} positions, over the model's max_seq_len")
+
+
+def rollout_seq_len(spec: PolicySpec | CheckpointPolicySpec, sample: int = 32) -> int:
+    """The positions a prompt and its completion take, at the longest of `sample` of the task's prompts
+    (a chat template included): what a round's memory is planned for, not the model's whole context."""
+    task, tokenizer = get_task(spec.task), spec.tokenizer()
+    prompts = [task.prompt(0, 0, i).text for i in range(sample)]
+    return max(len(tokenizer.encode_prompt(p)) for p in prompts) + task.max_new_tokens
 
 
 class Policy(nn.Module):
@@ -150,9 +158,19 @@ class Policy(nn.Module):
         math over its log-probs (sampling, advantages, the loss, the defenses) stays in host memory,
         where it is a small share of the work and runs the same on every node. With `cache` (sampling),
         `tokens` are the positions after the cached ones, and are cached in turn."""
+        return self.logits_at(tokens, None, cache)
+
+    def logits_at(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits at `positions` (B, P) of each row only (None: every position): the LM head and its
+        (B, P, V) output cost only what is read, where a whole row's would be most of an update's memory."""
         device = self.head.embedding.weight.device
         with autocast(device, self.compute_dtype):
-            logits = self.head.logits(self.body(self.head.embed(tokens.to(device)), cache=cache))  # (B, T, V)
+            hidden = self.body(self.head.embed(tokens.to(device)), cache=cache)  # (B, T, C)
+            if positions is not None:
+                hidden = hidden.gather(1, positions.to(device)[..., None].expand(-1, -1, hidden.size(-1)))
+            logits = self.head.logits(hidden)  # (B, P, V)
         logits = logits.float().to(tokens.device)
         return logits if self._masked is None else logits.index_fill(-1, self._masked, float("-inf"))
 
@@ -176,8 +194,7 @@ def completion_logits(
         targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         starts[i] = len(p) - 1  # the position whose logits predict the first completion token
     positions = starts[:, None] + torch.arange(width)  # (N, T), always < total
-    logits = policy(seqs)  # (N, L, V)
-    logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))  # (N, T, V)
+    logits = policy.logits_at(seqs, positions)  # (N, T, V)
     return logits, targets, torch.arange(width)[None, :] < lengths[:, None]
 
 

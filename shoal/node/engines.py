@@ -110,7 +110,8 @@ async def start_stage_worker(setup: EngineSetup) -> Engine:
 async def start_rollout_worker(setup: EngineSetup) -> Engine:
     """GRPO: the policy this node post-trains (the run's checkpoint, its own, or one of `--width` and
     `--depth`), refused where this machine's memory does not hold a round of it; warmed up."""
-    from shoal.grpo.policy import CheckpointPolicySpec, PolicySpec, check_policy_checkpoint
+    from shoal.grpo.policy import CheckpointPolicySpec, PolicySpec, check_policy_checkpoint, rollout_seq_len
+    from shoal.grpo.tasks import get_task
     from shoal.model.corpus import cache_dir
 
     ctx = setup.context
@@ -133,7 +134,9 @@ async def start_rollout_worker(setup: EngineSetup) -> Engine:
                           seed=p.seed, warmup_steps=p.warmup_steps)  # fmt: skip
     g = run.grpo
     rows = g.prompts_per_round * g.group_size * (1 + g.max_peers)  # its own samples and its peers' at most
-    need = policy_memory(spec.model_config(), rows, spec.model_config().max_seq_len)
+    seq_len = min(spec.model_config().max_seq_len, rollout_seq_len(spec))  # a prompt and its completion
+    need = policy_memory(spec.model_config(), rows, seq_len, get_task(spec.task).max_new_tokens,
+                         getattr(spec, "train_last", 0))  # fmt: skip
     if not fits(need, setup.machine.memory_bytes):
         raise UsageError(f"{memory_refusal(need, setup.machine.memory_bytes)}{setup.machine.limited}")
     worker = RolloutWorker(ctx, spec, Path(p.cache) if p.cache else cache_dir() / "grpo")

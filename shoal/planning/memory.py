@@ -101,13 +101,18 @@ def stage_memory(
     return StageMemory(stage, params, fixed, per_microbatch + 2 * FLOAT_BYTES * tokens * model.d_model, 0)
 
 
-def policy_memory(model: ModelConfig, rows: int, seq_len: int) -> StageMemory:
+def policy_memory(
+    model: ModelConfig, rows: int, seq_len: int, completion_len: int | None = None, trained_blocks: int = 0
+) -> StageMemory:
     """A rollout worker's whole policy: float32 weights, gradients and Adam's moments (and one copy for
     the step's temporaries), and one learning step's activations over `rows` sequences of `seq_len`:
-    every block's, and the logits with their log-softmax and gradients, over the whole vocabulary."""
+    every trained block's (`trained_blocks`, 0: all; a frozen block keeps none), and the logits with
+    their log-softmax and gradients, over the whole vocabulary, at the `completion_len` positions of
+    each row that the loss reads (None: all of them)."""
     params = model.params()
-    blocks = model.n_layers * block_activation_bytes(model, rows, seq_len)
-    logits = 4 * FLOAT_BYTES * rows * seq_len * model.vocab_size
+    kept = min(model.n_layers, trained_blocks or model.n_layers)
+    blocks = kept * block_activation_bytes(model, rows, seq_len)
+    logits = 4 * FLOAT_BYTES * rows * (seq_len if completion_len is None else completion_len) * model.vocab_size
     return StageMemory(0, params, FLOAT_BYTES * params * 5, blocks + logits, 0, what="the policy")
 
 
