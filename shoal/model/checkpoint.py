@@ -216,9 +216,12 @@ def read_checkpoint(path: str | Path, max_seq_len: int | None = None) -> Checkpo
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise CheckpointError(f"checkpoint {path}: no such GGUF file")
-        from shoal.model.gguf import converted_folder
+        from shoal.model.gguf import GGUFError, converted_folder
 
-        path = converted_folder(path)
+        try:
+            path = converted_folder(path)
+        except GGUFError as e:
+            raise CheckpointError(str(e)) from None
     where = f"checkpoint {path}"
     try:
         hf = json.loads((path / "config.json").read_text())

@@ -24,12 +24,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shoal.model.checkpoint import TOKENIZER, WEIGHTS, CheckpointError
+from shoal.errors import UsageError
 from shoal.model.corpus import cache_dir
 
 logger = logging.getLogger(__name__)
 
+
+class GGUFError(UsageError):
+    """A GGUF file that cannot be converted; one line naming the file (read_checkpoint passes it on as a
+    CheckpointError)."""
+
+
 SUFFIX = ".gguf"
+# the files of a Hugging Face folder that checkpoint.py reads (which imports this module, not the reverse)
+WEIGHTS, TOKENIZER = "model.safetensors", "tokenizer.json"
 # GGUF `general.architecture` -> what the converted config.json names (checkpoint.ARCHITECTURES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SOURCE_NOTE = "gguf.json"  # in the converted folder: which file it came from and how its tensors were stored
@@ -58,7 +66,7 @@ def describe(file: Path) -> tuple[str, dict[str, int]]:
         field = reader.fields["general.architecture"]
         architecture = bytes(field.parts[field.data[0]]).decode()
     except (KeyError, ValueError, OSError, IndexError) as e:
-        raise CheckpointError(f"checkpoint {file}: not a readable GGUF file ({e})") from None
+        raise GGUFError(f"checkpoint {file}: not a readable GGUF file ({e})") from None
     types: dict[str, int] = {}
     for tensor in reader.tensors:
         types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
@@ -84,7 +92,7 @@ def converted_folder(file: Path, cache: Path | None = None) -> Path:
 def _convert(file: Path, digest: str, folder: Path) -> None:
     architecture, types = describe(file)
     if architecture not in ARCHITECTURES:
-        raise CheckpointError(f"checkpoint {file}: GGUF architecture {architecture!r} is not supported "
+        raise GGUFError(f"checkpoint {file}: GGUF architecture {architecture!r} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
     quantized = sorted(kind for kind in types if kind not in DEQUANTIZED)
     logger.warning(
@@ -119,7 +127,7 @@ def _write_folder(file: Path, architecture: str, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, ImportError) as e:
         reason = str(e).splitlines()[0][:200]
-        raise CheckpointError(f"checkpoint {file}: transformers cannot read it ({reason})") from None
+        raise GGUFError(f"checkpoint {file}: transformers cannot read it ({reason})") from None
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the folder holds plain float32 tensors
     config["architectures"] = [ARCHITECTURES[architecture]]
@@ -132,4 +140,4 @@ def _write_folder(file: Path, architecture: str, out: Path) -> None:
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(out))
     if not (out / TOKENIZER).is_file():
-        raise CheckpointError(f"checkpoint {file}: its tokenizer did not convert to a {TOKENIZER}")
+        raise GGUFError(f"checkpoint {file}: its tokenizer did not convert to a {TOKENIZER}")
