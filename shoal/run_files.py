@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from shoal.config import SET_WITH_FROM, ConfigError, RunConfig, parse_run_config, run_config_from_dict
+from shoal.config import SET_WITH_FROM, ConfigError, RunConfig, run_config_from_dict
 
 
 def bundled_runs() -> list[str]:
@@ -130,10 +130,8 @@ def load_run_source(name_or_path: str) -> RunSource:
         raise ConfigError("", f"no bundled run named {name_or_path!r} (bundled: {', '.join(bundled_runs())})")
     text = resources.files("shoal.runs").joinpath(f"{name_or_path}.toml").read_text()
     data = tomllib.loads(text)
-    if isinstance(data.get("model"), dict) and "from" in data["model"]:  # a bundled run of a pretrained model
-        checkpoint_dir = _import_checkpoint(data, Path.home())
-        return RunSource(run_config_from_dict(data), checkpoint_dir)
-    return RunSource(parse_run_config(text, source=name_or_path))
+    checkpoint_dir = _import_checkpoint(data, Path.home())  # a bundled run of a pretrained model names it under ~
+    return RunSource(run_config_from_dict(data), checkpoint_dir)
 
 
 def load_run_config(name_or_path: str) -> RunConfig:

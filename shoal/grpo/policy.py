@@ -42,6 +42,7 @@ class PolicySpec:
     warmup_lr: float = 3e-3
     max_seq_len: int = 24  # prompt + completion
     checkpoint: ClassVar[None] = None
+    train_last: ClassVar[int] = 0  # a small policy trains whole
 
     @property
     def model_id(self) -> str:
@@ -131,9 +132,9 @@ class Policy(nn.Module):
 
             load_stage_weights(self.head, cfg, spec.checkpoint)
             load_stage_weights(self.body, cfg, spec.checkpoint)
-        train_last = getattr(spec, "train_last", 0)
-        if train_last:
-            frozen = [self.head.embedding, self.head.lm_head, *self.body.blocks[: max(0, cfg.n_layers - train_last)]]
+        if spec.train_last:
+            kept = max(0, cfg.n_layers - spec.train_last)
+            frozen = [self.head.embedding, self.head.lm_head, *self.body.blocks[:kept]]
             for module in frozen:
                 module.requires_grad_(False)
         tokenizer: PolicyTokenizer = spec.tokenizer()

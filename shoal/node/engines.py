@@ -135,8 +135,7 @@ async def start_rollout_worker(setup: EngineSetup) -> Engine:
     g = run.grpo
     rows = g.prompts_per_round * g.group_size * (1 + g.max_peers)  # its own samples and its peers' at most
     seq_len = min(spec.model_config().max_seq_len, rollout_seq_len(spec))  # a prompt and its completion
-    need = policy_memory(spec.model_config(), rows, seq_len, get_task(spec.task).max_new_tokens,
-                         getattr(spec, "train_last", 0))  # fmt: skip
+    need = policy_memory(spec.model_config(), rows, seq_len, get_task(spec.task).max_new_tokens, spec.train_last)
     if not fits(need, setup.machine.memory_bytes):
         raise UsageError(f"{memory_refusal(need, setup.machine.memory_bytes)}{setup.machine.limited}")
     worker = RolloutWorker(ctx, spec, Path(p.cache) if p.cache else cache_dir() / "grpo")
