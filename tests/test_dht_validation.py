@@ -48,6 +48,8 @@ def _node_record(peer_id: str, **changes) -> dict:
         "averager_maddrs": [],
         "model_id": None,
         "reachable": None,
+        "relays": [],
+        "relay_service": False,
         "excluded": [],
         "device": {
             "kind": "cpu",

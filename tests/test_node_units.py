@@ -224,19 +224,18 @@ def _placement(**options):
 
 def test_a_node_nobody_can_dial_takes_the_data_role_unless_its_flags_say_worker():
     from shoal.errors import UsageError
-    from shoal.node.config import NetworkOptions
 
     placement = _placement()
-    placement.take_client_role_if_unreachable(None, NetworkOptions())  # not checked: nothing changes
+    placement.take_client_role_if_unreachable(None, ())  # not checked: nothing changes
     assert not placement.client_only
-    placement.take_client_role_if_unreachable(False, NetworkOptions())
+    placement.take_client_role_if_unreachable(False, ())
     assert placement.client_only and placement.choose_stage(None, None, 1) == 0
     relayed = _placement()
-    relayed.take_client_role_if_unreachable(False, NetworkOptions(use_auto_relay=True))  # reached through a relay
+    relayed.take_client_role_if_unreachable(False, ("QmRelay",))  # reached through a relay
     assert not relayed.client_only
     for flags, named in (({"role": "worker"}, "--role worker"), ({"stage": 2}, "--stage 2")):
         with pytest.raises(UsageError, match=named):
-            _placement(**flags).take_client_role_if_unreachable(False, NetworkOptions())
+            _placement(**flags).take_client_role_if_unreachable(False, ())
 
 
 def test_a_stage_flag_beyond_the_run_is_refused_and_one_within_it_is_kept():

@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write this swarm's document (its addresses and runs, signed by this peer's identity) to FILE, for "
         "volunteers to join with --swarms FILE --swarm NAME",
     )
+    parser.add_argument(
+        "--no-relay-service",
+        dest="relay_service",
+        action="store_false",
+        help="do not relay for nodes behind NAT (by default a bootstrap peer relays, within limits set from its run)",
+    )
     parser.add_argument("--swarm-name", default=None, metavar="NAME", help="the swarm's name (default: the run's)")
     parser.add_argument("--swarm-description", default="", metavar="TEXT", help="one line on what the swarm trains")
     add_metrics_arguments(parser)
@@ -55,7 +61,13 @@ def run(args: argparse.Namespace) -> int:
 
     async def create() -> BootstrapPeer:
         peer = await BootstrapPeer.create(
-            args.identity, args.host_maddrs, args.announce_maddrs, args.initial_peers, run_config, args.record_ttl
+            args.identity,
+            args.host_maddrs,
+            args.announce_maddrs,
+            args.initial_peers,
+            run_config,
+            args.record_ttl,
+            relay_service=args.relay_service,
         )
         if args.metrics_port is not None:
             from shoal.bootstrap.metrics import BootstrapCollector

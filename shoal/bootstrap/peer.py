@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from shoal.config import RunConfig
 from shoal.dht.identity import load_identity
 from shoal.dht.runs import collision_report
-from shoal.dht.swarm import SwarmDHT
+from shoal.dht.swarm import DIRECT, SwarmDHT
 from shoal.p2p.health import node_handlers
+from shoal.p2p.relay import RelayPlan, limits_for
 from shoal.p2p.rpc import serve
 from shoal.p2p.services import NodeRpcs
 
@@ -42,8 +43,13 @@ class BootstrapPeer:
         initial_peers: Sequence[str] = (),
         run: RunConfig | None = None,
         record_ttl_s: float = 60.0,
+        relay_service: bool = True,
     ) -> BootstrapPeer:
-        dht = await SwarmDHT.create(load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs)
+        """`relay_service`: relay for nodes nobody can dial (p2p/relay.py), within limits set from `run`."""
+        relaying = RelayPlan(serve=limits_for(run)) if relay_service else DIRECT
+        dht = await SwarmDHT.create(
+            load_identity(identity_path), initial_peers, host_maddrs, announce_maddrs, relaying=relaying
+        )
         # joiners ask it to dial them back; diagnoses ping it
         await serve(dht.transport, NodeRpcs, node_handlers(lambda: ("bootstrap", None)), who=dht.peer_id[-8:])
         peer = cls(dht, run, record_ttl_s)

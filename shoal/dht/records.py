@@ -27,6 +27,7 @@ from shoal.protocol.schema import FieldOptions, load_document, wire_field
 
 MAX_MADDRS = 16
 MAX_LINKS = 32
+MAX_RELAYS_LISTED = 8
 MAX_EXCLUDED = 16  # peers a node lists as excluded (see ExclusionRecord)
 MAX_RUN_TOML_BYTES = 16 * 1024
 MAX_KEY_CHARS = 1024  # an OpenSSH RSA key or a base64 signature of up to ~6000 bits
@@ -129,6 +130,9 @@ class NodeRecord:
     repair: RepairRecord | None
     # whether the peers it asked could open a connection to it (node/reachability.py); None: not checked
     reachable: bool | None
+    # the relays it is reached through (peer ids; p2p/relay.py), and whether it relays for others
+    relays: tuple[str, ...] = wire_field(max_len=MAX_RELAYS_LISTED, item=FieldOptions(max_len=128, pattern=_PEER_ID))
+    relay_service: bool
     excluded: tuple[ExclusionRecord, ...] = wire_field(max_len=MAX_EXCLUDED)
     # GRPO: the policy a rollout worker samples with (PolicySpec.model_id); None for pipeline nodes
     model_id: str | None = wire_field(min_len=1, max_len=96, pattern=r"[A-Za-z0-9._-]+")
@@ -180,6 +184,8 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         repair=None if repair is None else RepairNote(**dataclasses.asdict(repair)),
         model_id=record.model_id,
         reachable=record.reachable,
+        relays=record.relays,
+        relay_service=record.relay_service,
         excluded=tuple((e.peer_id, e.reason) for e in record.excluded),
         device=DeviceNote(**dataclasses.asdict(record.device)),
         placement_note=record.placement_note,

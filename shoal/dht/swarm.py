@@ -12,7 +12,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,12 +30,14 @@ from shoal.dht.runs import PublishedRun, rank_runs, run_record, verify_claim
 from shoal.dht.validator import ShoalRecordValidator, owner_key
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
+from shoal.p2p.relay import RelayPlan
 from shoal.p2p.transport import Libp2pTransport
 from shoal.planning.swarm_view import SwarmView, stage_misfit
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+DIRECT = RelayPlan()  # dialed directly, relays for nobody
 LIBP2P_START_TRIES = 3
 LEFT_OUT_KEPT = 256  # records left out of views that were logged: each is logged once while kept
 
@@ -44,15 +46,17 @@ class _JoinFailed(Exception):
     """The initial peers gave no way into the swarm (this time)."""
 
 
-async def _start_libp2p(identity: Identity, startup_timeout_s: float, **options: Any) -> P2P:
-    """Start the libp2p daemon. A start that fails otherwise than by its initial peers (it ran out of
-    time, or the daemon exited without a word: both seen on a 2-core machine shared by eight nodes) is
-    tried again, each try waiting twice as long as the one before; the last failure is one clear line."""
+async def _start_libp2p(identity: Identity, startup_timeout_s: float, flags: Mapping[str, str], **options: Any) -> P2P:
+    """Start the libp2p daemon, with p2pd `flags` beside what `P2P.create` takes. A start that fails
+    otherwise than by its initial peers (it ran out of time, or the daemon exited without a word: both
+    seen on a 2-core machine shared by eight nodes) is tried again, each try waiting twice as long as
+    the one before; the last failure is one clear line."""
     wait_s = startup_timeout_s
+    p2p_class = _with_flags(flags)
     for attempt in range(1, LIBP2P_START_TRIES + 1):
         try:
             async with _key_file(identity) as key_path:
-                return await P2P.create(identity_path=key_path, startup_timeout=wait_s, **options)
+                return await p2p_class.create(identity_path=key_path, startup_timeout=wait_s, **options)
         except Exception as e:
             if options.get("initial_peers") and "bootstrap" in str(e):
                 raise _JoinFailed("none of them answered") from e
@@ -63,6 +67,20 @@ async def _start_libp2p(identity: Identity, startup_timeout_s: float, **options:
                            str(e)[:160], 2 * wait_s)  # fmt: skip
             wait_s *= 2
     raise AssertionError("unreachable")
+
+
+def _with_flags(flags: Mapping[str, str]) -> type[P2P]:
+    """hivemind's P2P, starting p2pd with `flags` too (it builds p2pd's arguments from a fixed set)."""
+    if not flags:
+        return P2P
+    extra = dict(flags)
+
+    class P2PWithFlags(P2P):
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return P2P._make_process_args(*args, **{**kwargs, **extra})
+
+    return P2PWithFlags
 
 
 @asynccontextmanager
@@ -107,8 +125,9 @@ class SwarmDHT:
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
         use_relay: bool = True,
-        use_auto_relay: bool = False,
+        relaying: RelayPlan = DIRECT,
         join_timeout_s: float = 0.0,
+        check_identity: bool = True,
     ) -> SwarmDHT:
         """Start libp2p and the DHT node and join through `initial_peers`, trying again with backoff
         for `join_timeout_s` (0: once). A join that never worked raises UsageError with one line per
@@ -118,7 +137,7 @@ class SwarmDHT:
         while True:
             try:
                 return await cls._create_once(identity, initial_peers, host_maddrs, announce_maddrs, client_mode,
-                                              startup_timeout_s, use_relay, use_auto_relay)  # fmt: skip
+                                              startup_timeout_s, use_relay, relaying, check_identity)  # fmt: skip
             except _JoinFailed as failed:
                 if time.monotonic() + delay >= deadline:
                     cause = failed
@@ -143,19 +162,22 @@ class SwarmDHT:
         client_mode: bool,
         startup_timeout_s: float,
         use_relay: bool,
-        use_auto_relay: bool,
+        relaying: RelayPlan,
+        check_identity: bool,
     ) -> SwarmDHT:
         p2p = await _start_libp2p(
             identity,
             startup_timeout_s,
+            relaying.p2pd_flags() if use_relay else {},
             initial_peers=list(initial_peers) or None,
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
-            check_if_identity_free=not identity.created,  # a key made just now is nobody else's
+            # a key made just now is nobody else's; nor is ours when we restart our own daemon
+            check_if_identity_free=check_identity and not identity.created,
             dht_mode="client" if client_mode else "server",
             nat_port_map=False,  # no UPnP multicast onto the local network
             use_relay=use_relay,
-            use_auto_relay=use_auto_relay,
+            **(relaying.p2p_options() if use_relay else {}),
         )
         try:
             node = await DHTNode.create(
@@ -181,8 +203,9 @@ class SwarmDHT:
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
 
-    async def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """Our addresses; `latest` asks p2pd again (a relayed node's change as relays come and go)."""
+        return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
 
     def _next_expiration(self, key: str, ttl_s: float) -> float:
         # a store whose expiration is not later than the stored one is refused: always move forward

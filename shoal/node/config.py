@@ -19,6 +19,7 @@ from shoal.planning.policy import ROUTING_POLICIES
 
 ROLES = ("auto", "data", "worker", "rollout")
 ROUTINGS = ("auto", *ROUTING_POLICIES)
+RELAYED_CHOICES = ("auto", "always", "never")
 STATE_IDENTITY = "identity"  # the node's key, inside --state-dir (see state/store.py)
 EXIT_TIMEOUT_S = 60.0  # default: the drain, the last save and leaving the DHT take seconds, not minutes
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
@@ -83,19 +84,27 @@ class NetworkOptions:
         30.0, "keep trying the initial peers this long, then say what each one is and exit 2", flag="--join-timeout",
         metavar="S",
     )  # fmt: skip
-    use_relay: bool = option(True, "do not use libp2p's relay transport at all", flag="--no-relay", negate=True)
-    use_auto_relay: bool = option(
-        False, "behind NAT: find relay peers and be reachable through them (libp2p circuit relay)",
-        flag="--use-auto-relay",
+    use_relay: bool = option(
+        True, "do not use libp2p's relay transport at all: never reached through a relay, nor dial a relayed peer",
+        flag="--no-relay", negate=True,
+    )  # fmt: skip
+    relayed: str = option(
+        "auto", "be reached through relay peers: auto (when the reachability check at start finds that nobody can "
+        "dial this node, as behind a home router), always, or never (then an unreachable node takes the data role)",
+        flag="--relayed", metavar="auto|always|never",
+    )  # fmt: skip
+    relay_service: bool = option(
+        False, "relay for nodes behind NAT (a reachable node only; bootstrap peers relay by default)",
+        flag="--relay-service",
     )  # fmt: skip
     record_ttl_s: float = option(30.0, "seconds a record lives without heartbeat", flag="--record-ttl")
     rpc_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _need(bool(self.host_maddrs), "--host-maddrs", "give at least one address to listen on")
-        _need(
-            not self.use_auto_relay or self.use_relay, "--use-auto-relay", "needs the relay transport: drop --no-relay"
-        )
+        _need(self.relayed in RELAYED_CHOICES, "--relayed", f"must be one of {', '.join(RELAYED_CHOICES)}")
+        _need(self.use_relay or self.relayed != "always", "--relayed", "always needs the relay transport: drop "
+              "--no-relay")  # fmt: skip
         _need(3.0 <= self.record_ttl_s <= 3600.0, "--record-ttl", "must be between 3 and 3600 seconds")
         _need(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
 

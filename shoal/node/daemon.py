@@ -38,6 +38,7 @@ from shoal.node.machine import Machine
 from shoal.node.metrics import MetricsServer, serve_node_metrics
 from shoal.node.placement import Placement
 from shoal.node.record import NodeRecord, Standing
+from shoal.node.relaying import reach_through_relays_if_needed, relay_service_limits
 from shoal.node.reports import MemorySampler, node_stats, write_ready_file
 from shoal.node.rpcs import EngineRpcs
 from shoal.node.run_source import resolve_run, run_checkpoint
@@ -47,6 +48,7 @@ from shoal.node.view import ViewKeeper
 from shoal.p2p import reachability
 from shoal.p2p.health import node_handlers
 from shoal.p2p.links import LinkMonitor
+from shoal.p2p.relay import RelayPlan, relays_in
 from shoal.p2p.rpc import Rpc, serve, unserve
 from shoal.p2p.services import NodeRpcs
 from shoal.p2p.suspects import watch_peers
@@ -122,12 +124,13 @@ class Node:
             config.network.host_maddrs,
             config.network.announce_maddrs,
             use_relay=config.network.use_relay,
-            use_auto_relay=config.network.use_auto_relay,
+            relaying=RelayPlan(serve=relay_service_limits(config)),
             join_timeout_s=config.network.join_timeout_s,
         )
         metrics: MetricsServer | None = None
         try:
             run = await resolve_run(dht, config)
+            dht = await reach_through_relays_if_needed(dht, identity, initial_peers, config, run)
             logger.info("[%s] run %s (%s): %s", dht.peer_id[-8:], run.name, run.run_id, run.to_json())
             if keeper is not None:
                 keeper.load(run, dht.peer_id)  # a corrupt or foreign state is refused before anything starts
@@ -220,6 +223,8 @@ class Node:
             max_inflight=self.max_inflight,
             maddrs=self._maddrs,
             reachable=self.reachable,
+            relays=relays_in(self._maddrs),
+            relay_service=self.config.network.relay_service,
             placement_note=self.placement.note,
         )
 
@@ -257,7 +262,7 @@ class Node:
         """Join: claim a stage, let simultaneous joiners see each other, settle ties by seniority."""
         await self.views.answering_view()
         await self.check_reachability()
-        self.placement.take_client_role_if_unreachable(self.reachable, self.config.network)
+        self.placement.take_client_role_if_unreachable(self.reachable, relays_in(self._maddrs))
         self.stage = self.keeper.saved_stage if self.keeper is not None else None  # resume there if still needed
         self._set_stage(self.choose_stage())
         for _ in range(SETTLE_ROUNDS):
@@ -375,6 +380,8 @@ class Node:
                     self._set_stage(chosen)
                     await self._build_engine()
                     self._write_ready_file()  # launchers read a node's stage from it
+                if relays_in(self._maddrs):  # a relay that died is replaced: the addresses change
+                    self._maddrs = await self.dht.visible_maddrs(latest=True)
                 await self.publish()
             except Exception:
                 self.errors["heartbeat"] += 1

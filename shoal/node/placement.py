@@ -12,7 +12,7 @@ import logging
 from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.node import capacity
-from shoal.node.config import NetworkOptions, PlacementOptions
+from shoal.node.config import PlacementOptions
 from shoal.node.machine import Machine
 from shoal.planning.assignment import Candidate
 from shoal.planning.memory import fits
@@ -126,22 +126,23 @@ class Placement:
         holders = ", ".join(f"stage {s}: {' '.join(v) or 'none'}" for s, v in speeds.items())
         return f"{seen}; others seen, by speed: {holders}"
 
-    def take_client_role_if_unreachable(self, reachable: bool | None, network: NetworkOptions) -> None:
+    def take_client_role_if_unreachable(self, reachable: bool | None, relays: tuple[str, ...]) -> None:
         """A node nobody could dial back takes the data role: it opens every stream itself (a hop's answer
-        comes back over the connection it dialed), where a stage worker waits to be dialed. With
-        --use-auto-relay it keeps the swarm's choice, to be reached through a relay."""
+        comes back over the connection it dialed), where a stage worker waits to be dialed. Reached
+        through `relays` (shoal/p2p/relay.py) it keeps the swarm's choice like any node."""
         if reachable is not False:
             return
-        if network.use_auto_relay:
-            logger.warning("[%s] not reachable directly: taking the swarm's choice of stage, to be reached through "
-                           "a circuit relay (--use-auto-relay)", self.short_id)  # fmt: skip
+        if relays:
+            logger.info("[%s] not reachable directly: reached through relay(s) %s, it takes the swarm's choice of "
+                        "stage", self.short_id, ", ".join(r[-8:] for r in relays))  # fmt: skip
             return
         options = self.options
         if options.role == ROLE_WORKER or options.stage is not None:
             flag = "--role worker" if options.role == ROLE_WORKER else f"--stage {options.stage}"
             raise UsageError(f"{flag}: peers could not open a connection to this node, and a stage worker must be "
-                             "dialed by its peers; forward its port (see the warning above), pass --use-auto-relay, "
-                             "or let it take the data role (--role auto)")  # fmt: skip
+                             "dialed by its peers; forward its port (see the warning above), let it be reached "
+                             "through a relay (--relayed auto, the default, with a relay peer in the swarm), or let it "
+                             "take the data role (--role auto)")  # fmt: skip
         logger.warning("[%s] not reachable: taking the data role, which dials every peer itself and needs no "
                        "inbound connection (a stage worker would never be sent work)", self.short_id)  # fmt: skip
         self.client_only = True

@@ -64,6 +64,8 @@ class Standing:
     max_inflight: int
     maddrs: list[str]
     reachable: bool | None  # the reachability self-check's verdict (None: not checked yet)
+    relays: tuple[str, ...]  # the relays it is reached through (shoal/p2p/relay.py); (): dialed directly
+    relay_service: bool  # it relays for nodes behind NAT
     placement_note: str | None  # why memory kept this node off the stage it would have taken
 
 
@@ -102,6 +104,8 @@ class NodeRecord:
             "repair": progress.repair.as_record() if progress.repair is not None else None,
             "model_id": progress.model_id,
             "reachable": standing.reachable,
+            "relays": list(standing.relays),
+            "relay_service": standing.relay_service,
             "excluded": list(progress.excluded),  # [{peer_id, reason}], bounded by the engine
             "device": device_record(self.machine, self.run),
             "placement_note": standing.placement_note,

@@ -31,7 +31,10 @@ ASK_TIMEOUT_S = 10.0
 
 
 def tcp_address(maddr: str) -> tuple[str, int] | None:
-    """(ip, port) of an /ip4|ip6/ADDR/tcp/PORT[/...] multiaddr, None for anything else."""
+    """(ip, port) of an /ip4|ip6/ADDR/tcp/PORT[/...] multiaddr, None for anything else (a circuit address
+    through a relay among them: dialing it back would reach the relay)."""
+    if "/p2p-circuit" in maddr:
+        return None
     parts = maddr.split("/")
     if len(parts) < 5 or parts[0] != "" or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
         return None

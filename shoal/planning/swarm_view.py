@@ -71,6 +71,8 @@ class NodeInfo:
     repair: RepairNote | None = None  # CheckFree: how this node rebuilt its stage, if it did
     model_id: str | None = None  # GRPO: the policy a rollout worker samples with (PolicySpec.model_id)
     reachable: bool | None = None  # whether the peers it asked could open a connection to it (None: unknown)
+    relays: tuple[str, ...] = ()  # the relays it is reached through (peer ids); (): dialed directly
+    relay_service: bool = False  # it relays for nodes nobody can dial
     # peers it stopped trusting, with the reason: excluded from a data node's routes by its audits, or
     # refused as averaging partners by a worker's robust outer step
     excluded: tuple[tuple[PeerID, str], ...] = ()

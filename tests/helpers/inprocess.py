@@ -161,7 +161,7 @@ class InProcessSwarm:
         record = NodeRecord(SimpleNamespace(peer_id=peer_id), self.run, machine, member.ctx.links, member.started_at,
                             ttl_s=30.0)  # type: ignore[arg-type]  # fmt: skip
         standing = Standing(role=member.role, stage=member.stage, state=STATE_ACTIVE, max_inflight=MAX_INFLIGHT,
-                            maddrs=[], reachable=None, placement_note=None)  # fmt: skip
+                            maddrs=[], reachable=None, relays=(), relay_service=False, placement_note=None)  # fmt: skip
         return load_record(RecordSchema, record.build(standing, member.engine.progress()))
 
     # ---- what every member sees ----------------------------------------------------------------------

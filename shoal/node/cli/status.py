@@ -92,6 +92,8 @@ def summarize(run, view) -> dict[str, Any]:
                 "grad_norm_clipped": n.grad_norm_clipped,
                 "repair": None if n.repair is None else asdict(n.repair),
                 "reachable": n.reachable,
+                "relays": list(n.relays),
+                "relay_service": n.relay_service,
                 "excluded": [{"peer_id": peer, "reason": reason} for peer, reason in n.excluded],
                 "device": None if n.device is None else asdict(n.device),
                 "placement_note": n.placement_note,
@@ -158,9 +160,16 @@ def print_table(doc: dict[str, Any]) -> None:
     for n in doc["nodes"]:
         if n.get("placement_note"):
             console.print(Text(f"…{n['peer_id'][-10:]} {n['placement_note']}", style="yellow"))
-    unreachable = [n for n in doc["nodes"] if n["reachable"] is False]
-    for n in unreachable:
-        console.print(f"…{n['peer_id'][-10:]} is not reachable: peers could not open a connection to it (see its log)")
+    for n in doc["nodes"]:
+        if n["relays"]:
+            through = ", ".join(f"…{r[-10:]}" for r in n["relays"])
+            console.print(f"…{n['peer_id'][-10:]} is behind NAT, reached through relay(s) {through}")
+        elif n["reachable"] is False:
+            console.print(f"…{n['peer_id'][-10:]} is not reachable: peers could not open a connection to it (see its "
+                          "log)")  # fmt: skip
+    relays = [f"…{n['peer_id'][-10:]}" for n in doc["nodes"] if n["relay_service"]]
+    if relays:
+        console.print(f"relaying for nodes behind NAT: {', '.join(relays)} (and the bootstrap peers, by default)")
     for repair in doc["repairs"]:
         sources = ", ".join(str(s) for s in repair["sources"]) or "nothing"
         note = f" ({repair['note']})" if repair["note"] else ""
