@@ -69,7 +69,7 @@ def test_doctor_says_what_to_forward_when_the_peers_cannot_dial_back(swarm):
     first, reach = done.stdout.strip().splitlines()
     assert first.startswith(f"ok    {entry}: answers")
     assert reach.startswith("FAIL  not reachable: 1 peer(s) could not open a connection to this node")
-    assert f"forward TCP port {port} to this machine" in reach and "--use-auto-relay" in reach
+    assert f"forward TCP port {port} to this machine" in reach and "--relayed auto" in reach
     with socket.socket() as taken:  # a port another program listens on: a node here could not listen there
         taken.bind(("127.0.0.1", 0))
         taken.listen()

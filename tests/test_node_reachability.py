@@ -51,7 +51,7 @@ def test_the_verdict_and_the_advice():
     assert unreachable == Reachability(False, 2, (), ("81.2.69.160",))
     text = advice(ours, unreachable)
     assert "2 peer(s)" in text and "forward TCP port 31337" in text
-    assert "--announce-maddrs /ip4/81.2.69.160/tcp/31337" in text and "--use-auto-relay" in text
+    assert "--announce-maddrs /ip4/81.2.69.160/tcp/31337" in text and "--relayed auto" in text
     assert verdict(ours, [ReachReply(results=(REACHABLE,), observed="10.1.2.3")]).reachable is True
     assert verdict(ours, []).reachable is None
 

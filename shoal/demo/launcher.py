@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,20 +141,21 @@ class LocalSwarm:
         self.warm_start = warm_start
         self.peers: list[Peer] = []
 
-    def _spawn(self, args: list[str], name: str) -> Peer:
-        """Start one `shoal` command; its stderr goes to its log, its stdout to a file beside it."""
+    def _spawn(self, args: list[str], name: str, prefix: Sequence[str] = ()) -> Peer:
+        """Start one `shoal` command; its stderr goes to its log, its stdout to a file beside it.
+        `prefix` runs it through another command that execs it (`ip netns exec NS`: same pid), cold."""
         stem = f"{len(self.peers):02d}-{name}"
         log_path, stdout_path = self.workdir / f"{stem}.log", self.workdir / f"{stem}.out"
         argv = ["--log-level", self.log_level, *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log_path.write_text("")
         stdout_path.write_text("")
-        if self.warm_start:
+        if self.warm_start and not prefix:
             process: subprocess.Popen | warm.WarmProcess = warm.WarmProcess(argv, stdout_path, log_path, env)
         else:
             with open(log_path, "w") as log, open(stdout_path, "w") as out:
                 process = subprocess.Popen(
-                    shoal_command(*argv),
+                    [*prefix, *shoal_command(*argv)],
                     stdout=out,
                     stderr=log,
                     stdin=subprocess.DEVNULL,
@@ -165,8 +167,8 @@ class LocalSwarm:
         self.peers.append(peer)
         return peer
 
-    def start_bootstrap(self, *extra: str) -> Peer:
-        peer = self._spawn(["bootstrap", "--host-maddrs", LOOPBACK, *extra], "bootstrap")
+    def start_bootstrap(self, *extra: str, prefix: Sequence[str] = ()) -> Peer:
+        peer = self._spawn(["bootstrap", "--host-maddrs", LOOPBACK, *extra], "bootstrap", prefix)
         stdout_path = peer.log_path.with_suffix(".out")
         line = warm.first_line(stdout_path, peer.process, START_TIMEOUT_S)  # the first multiaddress
         if not line.startswith("/"):
@@ -174,13 +176,15 @@ class LocalSwarm:
         peer.maddrs, peer.role = [line], "bootstrap"
         return peer
 
-    def start_node(self, initial_peers: list[str], *extra: str, wait: bool = True, name: str = "node") -> Peer:
+    def start_node(
+        self, initial_peers: list[str], *extra: str, wait: bool = True, name: str = "node", prefix: Sequence[str] = ()
+    ) -> Peer:
         index = len(self.peers)
         ready = self.workdir / f"ready-{index:02d}.json"
         if "--threads" not in extra:  # every process of a local swarm shares this machine's cores
             extra = ("--threads", "1", *extra)
         dial = ["--initial-peers", *initial_peers] if initial_peers else []  # none: --swarm NAME in `extra`
-        peer = self._spawn(["node", *dial, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra], name)
+        peer = self._spawn(["node", *dial, "--host-maddrs", LOOPBACK, "--ready-file", str(ready), *extra], name, prefix)
         peer.ready_file = ready
         if wait:
             self.wait_ready(peer)
@@ -197,9 +201,9 @@ class LocalSwarm:
         wait_until(ready, timeout_s, f"{peer.name} to become active")
         return peer.refresh()
 
-    def status(self, initial_peer: str, *extra: str, timeout_s: float = 60.0) -> dict:
+    def status(self, initial_peer: str, *extra: str, timeout_s: float = 60.0, prefix: Sequence[str] = ()) -> dict:
         result = subprocess.run(
-            shoal_command("status", "--initial-peers", initial_peer, "--json", *extra),
+            [*prefix, *shoal_command("status", "--initial-peers", initial_peer, "--json", *extra)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -315,7 +315,10 @@ class Node:
         if self.config.experiment.unreachable:
             result = dataclasses.replace(result, reachable=False, confirmed=())
         self.reachable = result.reachable
-        if result.reachable is False:
+        if result.reachable is False and relays_in(self._maddrs):
+            logger.info("[%s] not reachable directly, reached through relay(s) %s", self.short_id,
+                        ", ".join(r[-8:] for r in relays_in(self._maddrs)))  # fmt: skip
+        elif result.reachable is False:
             logger.warning("[%s] not reachable: %s", self.short_id, reachability.advice(self._maddrs, result))
         elif result.reachable:
             logger.info("[%s] reachable at %s (%d peer(s) asked)", self.short_id, ", ".join(result.confirmed),

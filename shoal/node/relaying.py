@@ -67,9 +67,11 @@ async def reach_through_relays_if_needed(
                                     if p != dht.peer_id))  # fmt: skip
         if not askers:
             return dht
-        result = await reachability.check(dht.transport, await dht.visible_maddrs(), askers)
+        maddrs = await dht.visible_maddrs()
+        result = await reachability.check(dht.transport, maddrs, askers)
         if result.reachable is not False and not config.experiment.unreachable:
             return dht
+        logger.warning("[%s] not reachable: %s", dht.peer_id[-8:], reachability.advice(maddrs, result))
     relays = choose_relays(await relay_candidates(dht, run, initial_peers), dht.peer_id)
     if not relays:
         logger.warning("[%s] nobody can dial this node and no relay is offered at a public address: it goes on "

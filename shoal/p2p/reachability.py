@@ -113,8 +113,8 @@ def advice(maddrs: list[str], result: Reachability) -> str:
     return (
         f"{result.asked} peer(s) could not open a connection to this node at {', '.join(maddrs) or 'any address'}: "
         f"peers will fail to send it work. Fix: forward TCP port {port} to this machine and pass "
-        f"--host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs {announce}; or --use-auto-relay to be "
-        "reached through a relay"
+        f"--host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs {announce}; or let it be reached "
+        "through a relay peer (--relayed auto, the default, when the swarm has one)"
     )
 
 

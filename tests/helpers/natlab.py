@@ -66,6 +66,7 @@ class NatLab:
     homes: dict[str, int] = field(default_factory=lambda: {"A": 2, "B": 1})
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: dict[str, Host] = field(default_factory=dict)
+    routers: dict[str, str] = field(default_factory=dict)  # home -> its router's public address
     _namespaces: list[str] = field(default_factory=list)
 
     def __enter__(self) -> NatLab:
@@ -116,7 +117,8 @@ class NatLab:
             self.hosts[f"public-{i}"] = Host(f"public-{i}", ns, f"{SWITCH_NET}.{2 + i}", None)
         for h, (home, count) in enumerate(self.homes.items(), start=1):
             router = self._ns(f"rt{home}")
-            plug(router, f"{SWITCH_NET}.{100 + h}")
+            self.routers[home] = f"{SWITCH_NET}.{100 + h}"
+            plug(router, self.routers[home])
             lan = f"192.168.{h}"
             _in(router, "ip", "link", "add", "lan", "type", "bridge")
             _in(router, "ip", "addr", "add", f"{lan}.1/24", "dev", "lan")
@@ -145,8 +147,9 @@ class NatLab:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._namespaces.clear()
 
-    def router_of(self, home: str) -> str:
-        return f"sh{self.tag}-rt{home}"
+    def router_ip(self, home: str) -> str:
+        """The address a home's hosts come from, as the public side sees them."""
+        return self.routers[home]
 
     def can_connect(self, source: Host, target: Host, port: int, timeout_s: float = 2.0) -> bool:
         """Can `source` open a TCP connection to `target`:`port`? (Something must listen there.)"""
