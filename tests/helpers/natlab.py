@@ -151,6 +151,12 @@ class NatLab:
         """The address a home's hosts come from, as the public side sees them."""
         return self.routers[home]
 
+    def wan_bytes(self, host: Host) -> int:
+        """Bytes in and out of a host's link to the switch so far (`ip netns exec` mounts its own /sys)."""
+        read = "cat /sys/class/net/wan/statistics/rx_bytes /sys/class/net/wan/statistics/tx_bytes"
+        done = subprocess.run(host.command("sh", "-c", read), capture_output=True, text=True, check=True)
+        return sum(int(n) for n in done.stdout.split())
+
     def can_connect(self, source: Host, target: Host, port: int, timeout_s: float = 2.0) -> bool:
         """Can `source` open a TCP connection to `target`:`port`? (Something must listen there.)"""
         probe = f"import socket; socket.create_connection(({target.ip!r}, {port}), timeout={timeout_s})"
