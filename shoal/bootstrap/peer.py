@@ -20,6 +20,7 @@ from shoal.p2p.health import node_handlers
 from shoal.p2p.relay import RelayPlan, limits_for
 from shoal.p2p.rpc import serve
 from shoal.p2p.services import NodeRpcs
+from shoal.p2p.stream_relay import RELAY_STREAM_TIMEOUT_S
 
 if TYPE_CHECKING:
     from shoal.node.metrics import MetricsServer
@@ -52,6 +53,8 @@ class BootstrapPeer:
         )
         # joiners ask it to dial them back; diagnoses ping it
         await serve(dht.transport, NodeRpcs, node_handlers(lambda: ("bootstrap", None)), who=dht.peer_id[-8:])
+        if relay_service:  # and carries streams to the nodes behind NAT that hold a slot on it
+            await dht.transport.serve_relay(RELAY_STREAM_TIMEOUT_S)
         peer = cls(dht, run, record_ttl_s)
         if run is not None:
             await peer._publish_run()

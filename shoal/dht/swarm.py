@@ -31,6 +31,7 @@ from shoal.dht.validator import ShoalRecordValidator, owner_key
 from shoal.errors import UsageError
 from shoal.model.stages import stage_layers
 from shoal.p2p.relay import RelayPlan
+from shoal.p2p.stream_relay import RelayingTransport
 from shoal.p2p.transport import Libp2pTransport
 from shoal.planning.swarm_view import SwarmView, stage_misfit
 
@@ -108,7 +109,8 @@ def peer_id_of_subkey(subkey: object) -> str:
 class SwarmDHT:
     def __init__(self, p2p: P2P, node: DHTNode, identity: Identity):
         self.p2p, self.node, self.identity = p2p, node, identity
-        self.transport = Libp2pTransport(p2p)  # streams to peers over the same libp2p daemon (shoal/p2p)
+        # streams to peers over the same libp2p daemon, to nodes behind NAT through their relays (shoal/p2p)
+        self.transport = RelayingTransport(Libp2pTransport(p2p))
         self.owner_subkey = RSASignatureValidator(identity.signing_key).local_public_key
         self._last_expiration: dict[str, float] = {}
         self._claims: dict[str, dict[str, Any]] = {}  # run id -> the claim this peer made, made once

@@ -51,6 +51,7 @@ from shoal.p2p.links import LinkMonitor
 from shoal.p2p.relay import RelayPlan, relays_in
 from shoal.p2p.rpc import Rpc, serve, unserve
 from shoal.p2p.services import NodeRpcs
+from shoal.p2p.stream_relay import RELAY_PROTOCOL, RELAYED_PROTOCOL
 from shoal.p2p.suspects import watch_peers
 from shoal.planning.peer_router import PeerRouter
 from shoal.planning.swarm_view import (
@@ -234,6 +235,12 @@ class Node:
     def choose_stage(self) -> int:
         return self.placement.choose_stage(self.view, self.stage, self.max_inflight)
 
+    def _relays_of(self, peer: str) -> tuple[str, ...]:
+        """The relays a peer behind NAT is reached through, as its last record read says."""
+        view = self.views.raw_view
+        listed = next((n for n in view.nodes if n.peer_id == peer), None) if view is not None else None
+        return listed.relays if listed is not None else ()
+
     def _set_stage(self, stage: int) -> None:
         if stage != self.stage:
             logger.info("[%s] takes stage %d (%s)", self.short_id, stage, self.placement.seen(self.view))
@@ -245,7 +252,14 @@ class Node:
         suspects = self.views.suspects
         watcher = watch_peers(self.dht.transport, suspects, self.views.listed_peers, self._stop, self.views.pings)
         self._tasks.append(asyncio.create_task(watcher, name="watch peers"))
-        served = dict(timeout_s=self.config.network.rpc_timeout_s, errors=self.errors, who=self.short_id)
+        transport, timeout_s = self.dht.transport, self.config.network.rpc_timeout_s
+        transport.relays_of, transport.own_relays = self._relays_of, lambda: relays_in(self._maddrs)
+        await transport.serve_relayed(timeout_s)
+        self._handlers.append(RELAYED_PROTOCOL)
+        if self.config.network.relay_service:
+            await transport.serve_relay(timeout_s)
+            self._handlers.append(RELAY_PROTOCOL)
+        served = dict(timeout_s=timeout_s, errors=self.errors, who=self.short_id)
         own = node_handlers(lambda: (self.state, self.stage))
         self._handlers += await serve(self.dht.transport, NodeRpcs, own, **served)
         # whatever engine runs now; an RPC it does not serve is answered as its declaration says

@@ -48,6 +48,24 @@ class ErrorReply:
         return error_for_code(self.code, self.message)
 
 
+@message("relay_open")
+class RelayOpen:
+    """To a relay: open `protocol` at peer `to` (a node behind NAT that keeps a connection to you) and
+    carry this stream's bytes both ways (shoal/p2p/stream_relay.py)."""
+
+    to: str = wire_field(min_len=1, max_len=128, pattern=r"[A-Za-z0-9]+")
+    protocol: str = wire_field(min_len=1, max_len=128, pattern=r"[A-Za-z0-9._/-]+")
+
+
+@message("relayed_from")
+class RelayedFrom:
+    """From a relay to the node behind NAT: this stream comes from `origin` (the relay's own
+    authenticated connection to it says so), for `protocol`."""
+
+    origin: str = wire_field(min_len=1, max_len=128, pattern=r"[A-Za-z0-9]+")
+    protocol: str = wire_field(min_len=1, max_len=128, pattern=r"[A-Za-z0-9._/-]+")
+
+
 @message("reach")
 class ReachRequest:
     """Can you open a TCP connection to me at these addresses? (The reachability self-check.) The

@@ -93,6 +93,7 @@ def summarize(run, view) -> dict[str, Any]:
                 "repair": None if n.repair is None else asdict(n.repair),
                 "reachable": n.reachable,
                 "relays": list(n.relays),
+                "links": [{"peer_id": p, "latency_s": lat, "bandwidth_Bps": bw} for p, lat, bw in n.links],
                 "relay_service": n.relay_service,
                 "excluded": [{"peer_id": peer, "reason": reason} for peer, reason in n.excluded],
                 "device": None if n.device is None else asdict(n.device),
