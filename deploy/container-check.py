@@ -90,9 +90,10 @@ def sh(*args: str, check: bool = True, quiet: bool = False, timeout: float | Non
 
 
 def ulimits() -> list[str]:
-    """--ulimit flags within this machine's hard limits: podman as root asks for 1048576 open files and
-    processes, which needs CAP_SYS_RESOURCE (a sandboxed root lacks it). nproc stays under 16384, below
-    what podman leaves conmon (32768 here)."""
+    """--ulimit flags within this machine's limits: podman as root gives a container 1048576 open files
+    and 32768 processes, and raising a limit above the hard one needs CAP_SYS_RESOURCE (a sandboxed root
+    may lack it). Open files: the hard limit (at most 65536). Processes: at most 16384 (32768 and 65536
+    failed on the machine this was tested on although its hard limit was 96367; 16384 and 20000 worked)."""
     import resource
 
     def cap(kind: int, most: int) -> int:
