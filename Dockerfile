@@ -12,14 +12,43 @@
 # Metrics listen on 9100 inside the container; -p 127.0.0.1:9100:9100 shows them to the host only.
 # Other commands: docker run --rm --entrypoint shoal shoal status --initial-peers ...
 # Walk-through: docs/deploy.md.
-FROM python:3.11-slim
+#
+# Build arguments (the defaults are the public images and indexes):
+#   BASE         any Debian-like image with Python 3.11 and its venv module: python:3.11-slim, or
+#                Debian bookworm itself (deploy/make-base makes one from Debian's packages alone,
+#                for machines that reach no image registry)
+#   TORCH_INDEX  the index torch is taken from, and the only one pip asks for it, so the CPU build
+#                is chosen by its index and not by which version string sorts highest (PyPI's
+#                torch is the CUDA build); deploy/wheel-index.py serves a local wheel as one
+#   TORCH_VERSION  must agree with pyproject.toml's pin (torch==2.13.0 accepts 2.13.0+cpu)
+# With podman, build with `--format docker`: the OCI image format has no HEALTHCHECK.
+# deploy/container-check builds this image with podman and trains a swarm of its containers.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+# the default corpus of the bundled runs' data nodes
 RUN apt-get update \
     && apt-get install -y --no-install-recommends bible-kjv fortunes jargon-text \
     && rm -rf /var/lib/apt/lists/*
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0+cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A venv: Debian's own python3 is externally managed (PEP 668) and refuses a system-wide pip install.
+# torch first, from TORCH_INDEX alone and without its dependencies (a local index may hold torch only;
+# they come from PyPI below): a build that is not +cpu fails here, not at run time.
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION" \
+    && /opt/venv/bin/python -c "from importlib.metadata import version; v = version('torch'); \
+assert v.endswith('+cpu'), 'not the CPU build of torch: ' + v"
+ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /opt/shoal
 COPY pyproject.toml README.md ./
 COPY shoal ./shoal
-RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu . \
+# Then shoal from PyPI: torch==2.13.0 is already satisfied by the CPU build (pip adds torch's own
+# dependencies), and `pip check` fails the build if anything is missing or at odds.
+RUN pip install . \
+    && pip check \
+    && python -c "import torch; assert torch.version.cuda is None, torch.version.cuda; print('torch', torch.__version__)" \
+    && shoal --help > /dev/null \
     && useradd --create-home --uid 10001 shoal \
     && mkdir /data \
     && chown shoal:shoal /data
