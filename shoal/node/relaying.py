@@ -71,12 +71,13 @@ async def reach_through_relays_if_needed(
         result = await reachability.check(dht.transport, maddrs, askers)
         if result.reachable is not False and not config.experiment.unreachable:
             return dht
-        logger.warning("[%s] not reachable: %s", dht.peer_id[-8:], reachability.advice(maddrs, result))
     relays = choose_relays(await relay_candidates(dht, run, initial_peers), dht.peer_id)
-    if not relays:
-        logger.warning("[%s] nobody can dial this node and no relay is offered at a public address: it goes on "
-                       "unrelayed", dht.peer_id[-8:])  # fmt: skip
+    if not relays:  # the check at the stage choice says the rest
+        logger.warning("[%s] nobody can dial this node and no relay is offered at a public address",
+                       dht.peer_id[-8:])  # fmt: skip
         return dht
+    if network.relayed == "auto":
+        logger.warning("[%s] not reachable: %s", dht.peer_id[-8:], reachability.advice(maddrs, result))
     logger.info("[%s] nobody can dial this node: restarting libp2p to be reached through %s", dht.peer_id[-8:],
                 ", ".join(relays))  # fmt: skip
     await dht.shutdown()
