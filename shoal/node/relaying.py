@@ -78,7 +78,7 @@ async def reach_through_relays_if_needed(
         return dht
     if network.relayed == "auto":
         logger.warning("[%s] not reachable: %s", dht.peer_id[-8:], reachability.advice(maddrs, result))
-    logger.info("[%s] nobody can dial this node: restarting libp2p to be reached through %s", dht.peer_id[-8:],
+    logger.info("[%s] restarting libp2p to be reached through relay(s) %s", dht.peer_id[-8:],
                 ", ".join(relays))  # fmt: skip
     await dht.shutdown()
     relayed = await SwarmDHT.create(
