@@ -25,12 +25,13 @@ def _copied_from(log: str) -> str:
 
 def test_two_joiners_at_once_copy_from_different_donors(swarm, tmp_path):
     # no stage backups: stage 2's refreshes of its backup of stage 1 take a donor's one copy slot too,
-    # and with copies held 4 s a joiner turned away by both donors copies the other joiner instead
+    # and with copies held 10 s a joiner turned away by both donors copies the other joiner instead
     run_file = write_tiny_run(tmp_path, **{"train.steps": 400, "repair.backup_every": 0})
     entry = swarm.start_bootstrap("--run-config", str(run_file)).maddrs[0]
-    # each copy holds its donor 4 s (as a slow uplink would), so the two copies overlap: a donor serves
-    # one at a time, and the joiner it turns away takes the other donor
-    slow = ("--inject-copy-delay", "4")
+    # each copy holds its donor 10 s (as a slow uplink would), so the two copies overlap even when the
+    # joiners' start-ups, on two loaded cores, end seconds apart: a donor serves one at a time, and the
+    # joiner it turns away takes the other donor
+    slow = ("--inject-copy-delay", "10")
     donors = [swarm.start_node([entry], "--stage", "1", *slow, name=f"donor{i}") for i in range(2)]
     swarm.start_node([entry], "--stage", "2", name="stage2")
     progress = tmp_path / "progress.jsonl"

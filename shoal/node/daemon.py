@@ -131,7 +131,7 @@ class Node:
         metrics: MetricsServer | None = None
         try:
             run = await resolve_run(dht, config)
-            dht = await reach_through_relays_if_needed(dht, identity, initial_peers, config, run)
+            dht, reachable = await reach_through_relays_if_needed(dht, identity, initial_peers, config, run)
             logger.info("[%s] run %s (%s): %s", dht.peer_id[-8:], run.name, run.run_id, run.to_json())
             if keeper is not None:
                 keeper.load(run, dht.peer_id)  # a corrupt or foreign state is refused before anything starts
@@ -145,6 +145,7 @@ class Node:
             )
             checkpoint = await loop.run_in_executor(None, run_checkpoint, run, config)
             node = cls(config, dht, run, Machine.at_start(run, device, throughput, config.limits.memory_limit_gib))
+            node.reachable = reachable  # checked at start already (None: the stage choice checks)
             logger.info("[%s] %s", node.short_id, node.machine.describe(run))
             node.checkpoint = checkpoint
             node.keeper = keeper
@@ -320,6 +321,8 @@ class Node:
     async def check_reachability(self) -> None:
         """Ask the initial peers and a few live nodes to dial us back; when none could, say so once
         with the fix (reachability.py). The verdict goes in our record, so `shoal status` shows it."""
+        if self.reachable is not None and not self.config.experiment.unreachable:
+            return  # settled at start (relaying.py)
         initial = [m.rsplit("/p2p/", 1)[1] for m in self.config.network.initial_peers if "/p2p/" in m]
         live = [n.peer_id for n in self.view.live_nodes()] if self.view is not None else []
         askers = list(dict.fromkeys(p for p in [*initial, *random.sample(live, len(live))] if p != self.peer_id))

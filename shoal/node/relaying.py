@@ -55,27 +55,30 @@ async def relay_candidates(dht: SwarmDHT, run: RunConfig, initial_peers: Sequenc
 
 async def reach_through_relays_if_needed(
     dht: SwarmDHT, identity: Identity, initial_peers: Sequence[str], config: NodeConfig, run: RunConfig
-) -> SwarmDHT:
-    """`dht` as it is when peers can dial us (or relaying is off); else a relayed restart of it."""
+) -> tuple[SwarmDHT, bool | None]:
+    """`dht` as it is when peers can dial us (or relaying is off), else a relayed restart of it; and
+    the check's verdict (None: not checked here, the stage choice checks)."""
     network = config.network
     if not network.use_relay or network.relayed == "never":
-        return dht
+        return dht, None
+    reachable: bool | None = None  # --relayed always: not checked here
     if network.relayed == "auto":
         view = await dht.read_view(run)
         live = [n.peer_id for n in view.live_nodes()]
         askers = list(dict.fromkeys(p for p in [*peer_ids(initial_peers), *random.sample(live, len(live))]
                                     if p != dht.peer_id))  # fmt: skip
         if not askers:
-            return dht
+            return dht, None
         maddrs = await dht.visible_maddrs()
         result = await reachability.check(dht.transport, maddrs, askers)
         if result.reachable is not False and not config.experiment.unreachable:
-            return dht
+            return dht, result.reachable
+        reachable = False
     relays = choose_relays(await relay_candidates(dht, run, initial_peers), dht.peer_id)
     if not relays:  # the check at the stage choice says the rest
         logger.warning("[%s] nobody can dial this node and no relay is offered at a public address",
                        dht.peer_id[-8:])  # fmt: skip
-        return dht
+        return dht, None
     if network.relayed == "auto":
         logger.warning("[%s] not reachable: %s", dht.peer_id[-8:], reachability.advice(maddrs, result))
     logger.info("[%s] restarting libp2p to be reached through relay(s) %s", dht.peer_id[-8:],
@@ -100,4 +103,4 @@ async def reach_through_relays_if_needed(
     else:
         logger.warning("[%s] no relay gave a reservation in %.0f s: peers cannot dial this node", relayed.peer_id[-8:],
                        RESERVE_WAIT_S)  # fmt: skip
-    return relayed
+    return relayed, reachable

@@ -119,13 +119,29 @@ def advice(maddrs: list[str], result: Reachability) -> str:
 
 
 async def check(transport: Transport, maddrs: list[str], peers: list[str]) -> Reachability:
-    """Ask `peers` (at most ASK_PEERS, in order) to dial our TCP addresses back."""
+    """Ask `peers` (at most ASK_PEERS, in order) to dial our TCP addresses back; the first that could
+    settles it, else every answer is waited for."""
     asked = [m for m in maddrs if tcp_address(m) is not None][:4]
     request = ReachRequest(maddrs=tuple(asked))
     stub = NodeRpcs(transport)
-    calls = (stub.reach(peer, request, timeout_s=ASK_TIMEOUT_S) for peer in peers[:ASK_PEERS])
-    replies = await asyncio.gather(*calls, return_exceptions=True)
-    for peer, reply in zip(peers, replies, strict=False):
-        if not isinstance(reply, ReachReply):
-            logger.info("reachability: %s did not answer: %r", peer[-8:], reply)
-    return verdict(asked, [r for r in replies if isinstance(r, ReachReply)])
+
+    async def ask(peer: str) -> ReachReply | None:
+        try:
+            return await stub.reach(peer, request, timeout_s=ASK_TIMEOUT_S)
+        except Exception as e:
+            logger.info("reachability: %s did not answer: %r", peer[-8:], e)
+            return None
+
+    # one peer that could connect settles it: a busy peer's slow answer does not hold the start up
+    replies: list[ReachReply] = []
+    pending = {asyncio.ensure_future(ask(peer)) for peer in peers[:ASK_PEERS]}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            replies += [r for r in (task.result() for task in done) if r is not None]
+            if verdict(asked, replies).reachable:
+                break
+    finally:
+        for task in pending:
+            task.cancel()
+    return verdict(asked, replies)
