@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from docs_section import wall_time, write_section
-from pipeline_efficiency import cpu_seconds
+from pipeline_efficiency import cpu_seconds, process_tree
 
 from shoal.demo.launcher import LocalSwarm, done_event, progress_events, wait_until
 from shoal.run_files import load_run_config
@@ -50,10 +50,6 @@ from tests.helpers.tiny import write_tiny_run  # noqa: E402
 RESULTS = {"tiny": ROOT / "benchmarks" / "results" / "relay.json",
            "small": ROOT / "benchmarks" / "results" / "relay_small.json"}  # fmt: skip
 ARMS = ("direct", "relayed")
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def one_arm(arm: str, lab: NatLab, run_file: Path, workdir: Path) -> dict:
@@ -69,7 +65,7 @@ def one_arm(arm: str, lab: NatLab, run_file: Path, workdir: Path) -> dict:
                    for s, h in ((1, stage_hosts[0]), (2, stage_hosts[1]))]  # fmt: skip
         relayed = [any("/p2p-circuit/" in m for m in w.maddrs) for w in workers]
         assert relayed == [arm == "relayed"] * 2, (arm, [w.maddrs for w in workers])
-        relay_pids = [relay.pid, *children(relay.pid)]  # the bootstrap's Python process and its p2pd
+        relay_pids = [relay.pid, *process_tree(relay.pid)]  # the bootstrap's Python process and its p2pd
         cpu0, bytes0 = [cpu_seconds(p) or 0.0 for p in relay_pids], lab.wan_bytes(relay_host)
         progress = workdir / "progress.jsonl"
         swarm.start_node([entry], *at(data_host), "--role", "data", "--progress-file", str(progress),

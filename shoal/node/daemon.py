@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -323,9 +322,8 @@ class Node:
         with the fix (reachability.py). The verdict goes in our record, so `shoal status` shows it."""
         if self.reachable is not None and not self.config.experiment.unreachable:
             return  # settled at start (relaying.py)
-        initial = [m.rsplit("/p2p/", 1)[1] for m in self.config.network.initial_peers if "/p2p/" in m]
         live = [n.peer_id for n in self.view.live_nodes()] if self.view is not None else []
-        askers = list(dict.fromkeys(p for p in [*initial, *random.sample(live, len(live))] if p != self.peer_id))
+        askers = reachability.askers(self.config.network.initial_peers, live, self.peer_id)
         if not askers:
             return
         result = await reachability.check(self.dht.transport, self._maddrs, askers)

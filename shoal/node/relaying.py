@@ -25,6 +25,7 @@ from shoal.node.config import NodeConfig
 from shoal.p2p import reachability
 from shoal.p2p.relay import RelayPlan, choose_relays, limits_for, relays_in
 from shoal.planning.relay_limits import RelayLimits
+from shoal.planning.swarm_view import SwarmView
 from shoal.run_files import load_run_config
 
 logger = logging.getLogger(__name__)
@@ -40,13 +41,8 @@ def relay_service_limits(config: NodeConfig) -> RelayLimits | None:
     return limits_for(load_run_config(path) if path else None)
 
 
-def peer_ids(maddrs: Sequence[str]) -> list[str]:
-    return [m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m]
-
-
-async def relay_candidates(dht: SwarmDHT, run: RunConfig, initial_peers: Sequence[str]) -> list[str]:
+def relay_candidates(view: SwarmView, initial_peers: Sequence[str]) -> list[str]:
     """The initial peers first (bootstrap peers relay by default), then the run's reachable relay nodes."""
-    view = await dht.read_view(run)
     offered = [n for n in view.live_nodes() if n.relay_service and n.reachable]
     random.shuffle(offered)
     listed = [m if "/p2p/" in m else f"{m}/p2p/{n.peer_id}" for n in offered for m in n.maddrs]
@@ -62,11 +58,9 @@ async def reach_through_relays_if_needed(
     if not network.use_relay or network.relayed == "never":
         return dht, None
     reachable: bool | None = None  # --relayed always: not checked here
+    view = await dht.read_view(run)
     if network.relayed == "auto":
-        view = await dht.read_view(run)
-        live = [n.peer_id for n in view.live_nodes()]
-        askers = list(dict.fromkeys(p for p in [*peer_ids(initial_peers), *random.sample(live, len(live))]
-                                    if p != dht.peer_id))  # fmt: skip
+        askers = reachability.askers(initial_peers, [n.peer_id for n in view.live_nodes()], dht.peer_id)
         if not askers:
             return dht, None
         maddrs = await dht.visible_maddrs()
@@ -74,7 +68,7 @@ async def reach_through_relays_if_needed(
         if result.reachable is not False and not config.experiment.unreachable:
             return dht, result.reachable
         reachable = False
-    relays = choose_relays(await relay_candidates(dht, run, initial_peers), dht.peer_id)
+    relays = choose_relays(relay_candidates(view, initial_peers), dht.peer_id)
     if not relays:  # the check at the stage choice says the rest
         logger.warning("[%s] nobody can dial this node and no relay is offered at a public address",
                        dht.peer_id[-8:])  # fmt: skip

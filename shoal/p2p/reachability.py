@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.p2p.services import NodeRpcs
@@ -116,6 +118,12 @@ def advice(maddrs: list[str], result: Reachability) -> str:
         f"--host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs {announce}; or let it be reached "
         "through a relay peer (--relayed auto, the default, when the swarm has one)"
     )
+
+
+def askers(initial_peers: Sequence[str], live: Sequence[str], own_peer_id: str) -> list[str]:
+    """Whom to ask: the initial peers (their ids from their addresses), then live nodes in random order."""
+    initial = [m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m]
+    return list(dict.fromkeys(p for p in [*initial, *random.sample(list(live), len(live))] if p != own_peer_id))
 
 
 async def check(transport: Transport, maddrs: list[str], peers: list[str]) -> Reachability:

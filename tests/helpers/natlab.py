@@ -157,12 +157,6 @@ class NatLab:
         done = subprocess.run(host.command("sh", "-c", read), capture_output=True, text=True, check=True)
         return sum(int(n) for n in done.stdout.split())
 
-    def can_connect(self, source: Host, target: Host, port: int, timeout_s: float = 2.0) -> bool:
-        """Can `source` open a TCP connection to `target`:`port`? (Something must listen there.)"""
-        probe = f"import socket; socket.create_connection(({target.ip!r}, {port}), timeout={timeout_s})"
-        done = subprocess.run(source.command("python3", "-c", probe), capture_output=True, timeout=timeout_s + 10)
-        return done.returncode == 0
-
 
 def _ip(*args: str) -> None:
     _run(["ip", *args])
