@@ -61,6 +61,10 @@ def test_home_nodes_serve_every_block_stage_through_relays_and_train_as_the_loca
         assert "reached through relay(s)" in log, log[-3000:]
         assert sum("/p2p-circuit/" in m for m in worker.maddrs) == 2, worker.maddrs  # both bootstrap peers
 
+    # stage 1's activations reach stage 2 (two homes, two NATs) only through a relay: the one that
+    # carried more dies mid-run with its p2pd, and the hops move to the other. Counted from before the
+    # data node starts, since on a fast machine its first steps finish while the status below runs.
+    before = [lab.wan_bytes(relay0), lab.wan_bytes(relay1)]
     progress = tmp_path / "progress.jsonl"
     swarm.start_node(entries, *at(data_host), "--role", "data", "--relay-service", "--progress-file", str(progress),
                      prefix=data_host.command(), name="data")  # fmt: skip
@@ -69,9 +73,6 @@ def test_home_nodes_serve_every_block_stage_through_relays_and_train_as_the_loca
     assert len(homes) == 2 and all(len(n["relays"]) == 2 and n["reachable"] is False for n in homes.values()), homes
     assert [n["relay_service"] for n in status["nodes"] if n["stage"] == 0] == [True]
 
-    # stage 1's activations reach stage 2 (two homes, two NATs) only through a relay: the one that
-    # carried more dies mid-run with its p2pd, and the hops move to the other
-    before = [lab.wan_bytes(relay0), lab.wan_bytes(relay1)]
     wait_until(lambda: len(steps_of(progress)) >= 10, 240, "ten steps through the relays")
     carried = [lab.wan_bytes(relay0) - before[0], lab.wan_bytes(relay1) - before[1]]
     busy = first if carried[0] >= carried[1] else second
