@@ -106,9 +106,10 @@ class RepairConfig:
     # checkfree_plus: the workers of stage 0's neighbours (stages 1 and S-1) copy it every this many of
     # their inner steps, so that a lost stage 0 comes back from a copy (shoal/node/stage/kept_copies.py)
     edge_copy_every: int = 10
-    # stage backups (beyond the papers): the workers of each block stage keep a copy of the one before
-    # it (the first keeps the last), refreshed every this many of their inner steps; a stage that loses
-    # every replica is restored from it before any rebuild by `rule` is tried. 0: no backups.
+    # stage backups (beyond the papers): the workers of each block stage keep the latest snapshot of the
+    # one before it (the first keeps the last), taken at each outer step, or every this many inner steps
+    # in a run without an outer optimizer, and sent as its int8 change, checked by digest; a stage that
+    # loses every replica is restored from it before any rebuild by `rule` is tried. 0: no backups.
     backup_every: int = 10
     # a run imported from a checkpoint: a lost stage with no backup left comes back from the checkpoint's
     # own tensors for it, where the node taking it holds the files, before any rebuild by `rule`

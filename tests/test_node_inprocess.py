@@ -13,6 +13,8 @@ import torch
 
 from shoal.node.config import ExperimentOptions, NodeConfig
 from shoal.node.hooks import Hooks
+from shoal.planning.swarm_view import BackupNote
+from shoal.train.backup_stream import snapshot_digest
 from shoal.train.data import load_token_splits
 from shoal.train.reference import ReferenceTrainer
 from tests.helpers.inprocess import InProcessSwarm, corpus_run, worker_id
@@ -301,21 +303,76 @@ def test_a_joiner_takes_over_the_backup_the_replica_it_copies_keeps(tmp_path) ->
         driver = await swarm.start()
         try:
             await asyncio.wait_for(driver.work(), 150)
-            kept = swarm.engine(worker_id(1, 0)).kept_copies[2]
+            kept = swarm.engine(worker_id(1, 0)).backup_keeper
             for _ in range(100):  # the keeper looks every 0.5 s
-                if kept.copy is not None:
+                if kept.snapshot is not None:
                     break
                 await asyncio.sleep(0.1)
-            assert kept.copy is not None and kept.copy.inner_step >= 1
+            assert kept.snapshot is not None and kept.snapshot.inner_step >= 1 and kept.source == worker_id(2, 0)
             await swarm.kill(worker_id(2, 0))  # stage 2 has nobody left to copy from
             joiner = await swarm.add_joiner(1, "QmJoiner")
-            taken = joiner.kept_copies[2].copy
-            assert taken is not None and taken.peer_id == worker_id(1, 0) and taken.inner_step == kept.copy.inner_step
-            assert all(torch.equal(a, b) for a, b in zip(taken.theta, kept.copy.theta, strict=True))
+            taken = joiner.backup_keeper
+            # the same snapshot, still named as stage 2's replica's, so a restore can hold it to that record
+            assert taken.snapshot is not None and taken.source == worker_id(2, 0)
+            assert (taken.snapshot.version, taken.snapshot.digest) == (kept.snapshot.version, kept.snapshot.digest)
+            assert all(torch.equal(a, b) for a, b in zip(taken.snapshot.tensors, kept.snapshot.tensors, strict=True))
         finally:
             await swarm.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("keeper", ["honest", "forges"])
+def test_a_restore_takes_the_backup_the_stage_announced_and_refuses_a_forged_one(tmp_path, keeper, caplog) -> None:
+    """Stage 3's worker keeps stage 2's snapshots. Stage 2's only replica dies, its record still listed
+    (as a DHT keeps it until its TTL ends), and a newcomer takes stage 2: it restores the kept snapshot,
+    checked against the digest stage 2 announced. A keeper that hands back other weights under a
+    digest of their own (self-consistent, not what the stage announced) is refused, and the stage is
+    rebuilt by CheckFree's rule instead."""
+    shape = {"pipeline.stages": 4, "model.n_layers": 3, "repair.backup_every": 1}
+    run = corpus_run(tmp_path, tiny_run(**{**FAULT_RUN, **shape}))
+    swarm = InProcessSwarm(run, {1: 1, 2: 1, 3: 1})
+
+    async def main() -> None:
+        driver = await swarm.start()
+        try:
+            await asyncio.wait_for(driver.work(), 150)
+            holder = swarm.engine(worker_id(2, 0))
+            kept = swarm.engine(worker_id(3, 0)).backup_keeper
+
+            async def caught_up() -> BackupNote:
+                for _ in range(100):  # the keeper looks every 0.5 s
+                    announced = holder.backup_source.note()
+                    if kept.snapshot is not None and announced is not None and kept.snapshot.digest == announced.digest:
+                        return announced
+                    await asyncio.sleep(0.1)
+                raise AssertionError("the keeper never caught up with the snapshot stage 2 announced")
+
+            first = await caught_up()
+            await holder.backup_source.take(holder.optimizer.step_count, 0)  # one more backup point
+            assert (await caught_up()).version == first.version + 1 and kept.changes >= 1  # came as a change
+            if keeper == "forges":
+                held = kept.snapshot
+                forged = [t + 0.5 for t in held.tensors]
+                digest = snapshot_digest(forged, held.inner_step, held.outer_epoch, held.version)
+                kept.snapshot = dataclasses.replace(held, tensors=tuple(forged), digest=digest)
+            await swarm.kill(worker_id(2, 0), record_lingers=True)
+            newcomer = await swarm.add_joiner(2, "QmNewcomer")
+            repair = await newcomer.repair_if_lost()
+            assert repair is not None
+            if keeper == "honest":
+                assert repair.rule == "backup" and repair.inner_step == kept.snapshot.inner_step
+                assert f"checked against the digest {worker_id(2, 0)[-8:]} announced" in caplog.text
+                params = [p.detach() for p in newcomer.module.parameters()]
+                assert all(torch.equal(a, b) for a, b in zip(params, kept.snapshot.tensors, strict=True))
+            else:
+                assert f"not the snapshot {worker_id(2, 0)[-8:]} announced" in caplog.text
+                assert "no backup of it left" in caplog.text and repair.rule != "backup"
+        finally:
+            await swarm.close()
+
+    with caplog.at_level("INFO"):
+        asyncio.run(main())
 
 
 def test_a_last_hop_redone_for_the_data_node_and_lost_again_is_redone_again(tmp_path) -> None:

@@ -18,6 +18,7 @@ from shoal.planning.swarm_view import (
     STATE_ACTIVE,
     STATE_JOINING,
     STATE_LEAVING,
+    BackupNote,
     DeviceNote,
     NodeInfo,
     RepairNote,
@@ -76,6 +77,17 @@ class RepairRecord:
     seconds: float = _measure()
     at: float = _measure()
     note: str = wire_field(max_len=200)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackupRecord:
+    """A block-stage replica's latest backup snapshot (shoal/train/backup_stream.py): its keepers and a
+    node restoring the stage check the snapshot they hold against this digest."""
+
+    version: int = wire_field(ge=1)
+    inner_step: int = wire_field(ge=0)
+    outer_epoch: int = wire_field(ge=0)
+    digest: str = wire_field(min_len=64, max_len=64, pattern=r"[0-9a-f]+")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +151,7 @@ class NodeRecord:
     device: DeviceRecord
     # why memory kept this node off the stage it would have taken ("stage 2 needs ~9.1 GiB, ...")
     placement_note: str | None = wire_field(max_len=200)
+    backup: BackupRecord | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +202,7 @@ def node_info(record: NodeRecord, expires_at: float) -> NodeInfo:
         excluded=tuple((e.peer_id, e.reason) for e in record.excluded),
         device=DeviceNote(**dataclasses.asdict(record.device)),
         placement_note=record.placement_note,
+        backup=None if record.backup is None else BackupNote(**dataclasses.asdict(record.backup)),
         protocol_version=record.protocol_version,
         started_at=record.started_at,
         updated_at=record.updated_at,

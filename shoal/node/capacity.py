@@ -13,7 +13,7 @@ from shoal.device import DeviceInfo, PeakMemory, autocast, autocast_dtype, synch
 from shoal.model.llama import BlockStage
 from shoal.model.split_backward import input_grad_first, recording_linears
 from shoal.model.stages import build_stage, stage_layers
-from shoal.planning.backups import backed_up_stage, keeps_edge_copy
+from shoal.planning.backups import held_values
 from shoal.planning.memory import AUDIT_KEPT_STEPS, GIB, StageMemory, stage_memory, stage_params
 from shoal.planning.memory import inflight_budget as memory_inflight_budget
 from shoal.train.inner import InnerOptimizer, OptimizerState
@@ -70,18 +70,15 @@ def stage_need(run: RunConfig, stage: int) -> StageMemory:
     stages = run.pipeline.stages
     blocks = len(stage_layers(run.model.n_layers, stages, stage))
     averages = run.averaging.mode != "none"
-    kept = [0] if keeps_edge_copy(run.repair.rule, stages, stage) else []
-    backed_up = backed_up_stage(stages, stage) if run.repair.backup_every else None
-    kept += [backed_up] if backed_up is not None else []
 
     def params_of(s: int) -> int:
         return stage_params(run.model, len(stage_layers(run.model.n_layers, stages, s)), s)
 
-    kept_params = sum(params_of(s) for s in kept)
+    held = held_values(stages, stage, params_of, run.repair.rule, run.repair.backup_every > 0)
     audits = run.defense.step_audit_rate > 0
     audited = run.train.batch_size // run.train.microbatch_size if audits else 0
     replayed = max(map(params_of, range(1, stages)), default=0) if audits and stage == 0 else 0
-    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages, kept_params,
+    return stage_memory(run.model, run.train.microbatch_size, run.train.seq_len, blocks, stage, averages, held,
                         audited, replayed)  # fmt: skip
 
 

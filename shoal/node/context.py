@@ -49,6 +49,9 @@ class NodeContext:
     compute_dtype: torch.dtype | None = None  # autocast's dtype there (None: float32)
     checkpoint: Checkpoint | None = None  # this machine's copy of the checkpoint the run starts from
     suspects: Suspects = field(default_factory=Suspects)  # peers that just failed us (net/suspects.py)
+    # the latest view with the suspects still in it: what every listed record announced, dead or not
+    # (None: the view itself)
+    current_listed_view: Callable[[], SwarmView | None] | None = None
 
     def __post_init__(self) -> None:
         if self.suspects.own_id is None:  # a node never suspects itself, whoever built its suspects
@@ -67,6 +70,12 @@ class NodeContext:
     def view(self) -> SwarmView | None:
         """The node's latest view of the swarm (refreshed every heartbeat)."""
         return self.current_view()
+
+    @property
+    def listed_view(self) -> SwarmView | None:
+        """Every record listed now, suspects included: what a node announced still counts after it died
+        (a lost stage's backup digests), until its record expires."""
+        return self.current_listed_view() if self.current_listed_view is not None else self.view
 
     async def refresh_view(self) -> SwarmView:
         return await self.read_view()

@@ -194,6 +194,7 @@ class Node:
             started_at=self.started_at,
             max_inflight=self.max_inflight,
             current_view=lambda: self.views.view,
+            current_listed_view=lambda: self.views.raw_view,
             read_view=self.views.refresh,
             publish=self.publish,
             hooks=self.hooks,

@@ -21,7 +21,7 @@ import torch
 from shoal.config import RunConfig
 from shoal.p2p.rpc import Rpc
 from shoal.planning.observed import Trip
-from shoal.planning.swarm_view import SwarmView
+from shoal.planning.swarm_view import BackupNote, SwarmView
 from shoal.train.inner import InnerOptimizer
 from shoal.train.outer import OuterState
 
@@ -98,6 +98,7 @@ class Progress:
     averager_maddrs: tuple[str, ...] = ()  # DiLoCo: where this replica's averaging DHT listens
     model_id: str | None = None  # a rollout worker's policy
     excluded: tuple[dict, ...] = ()  # [{peer_id, reason}]: peers this engine refused, bounded by it
+    backup: BackupNote | None = None  # a block-stage replica's latest backup snapshot (stage/backups.py)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ bug, said as one, naming the field, and never sent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class NodeRecord:
             "excluded": list(progress.excluded),  # [{peer_id, reason}], bounded by the engine
             "device": device_record(self.machine, self.run),
             "placement_note": standing.placement_note,
+            "backup": dataclasses.asdict(progress.backup) if progress.backup is not None else None,
         }
 
     async def publish(self, standing: Standing, progress: Progress) -> bool:

@@ -11,6 +11,7 @@ from shoal.p2p.rpc import Rpc, Service
 from shoal.protocol.pipeline import (
     AbandonNotice,
     Ack,
+    BackupPull,
     BackwardRequest,
     ForwardRequest,
     GossipRequest,
@@ -45,6 +46,7 @@ class EngineRpcs(Service):
     gossip = Rpc(GossipRequest, Ack, streamed=True, refusal="this node averages no stage")
     gradient_share = Rpc(GradientShare, Ack, streamed=True, refusal="this node shares no stage-0 gradients")
     copy_stage = Rpc(StageCopyRequest, Ack, streamed=True, refusal="this node serves no stage copies")
+    backup_pull = Rpc(BackupPull, Ack, streamed=True, refusal="this node keeps no stage backups")
     step_transcript = Rpc(StepTranscriptRequest, Ack, streamed=True, refusal="this node keeps no step transcripts")
     # GRPO's rollout workers
     rollouts = Rpc(RolloutBundle, Ack, refusal="this node runs no rollouts")

@@ -3,6 +3,11 @@ was (shoal/node/stage/kept_copies.py does the keeping): pure rules over the run'
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
+CHANGE_BYTES_PER_VALUE = 1 + 4 / 64  # a snapshot's change: int8 values, a float32 scale per 64
+
 
 def keeps_edge_copy(rule: str, stages: int, stage: int) -> bool:
     """Whether a worker of `stage` keeps a copy of stage 0: under CheckFree+, stage 0's neighbours."""
@@ -20,3 +25,16 @@ def backed_up_stage(stages: int, stage: int) -> int | None:
 def backup_keepers(stages: int, stage: int) -> list[int]:
     """The block stages whose workers keep a backup of `stage`."""
     return [s for s in range(1, stages) if backed_up_stage(stages, s) == stage]
+
+
+def held_values(stages: int, stage: int, params_of: Callable[[int], int], rule: str, backups: bool) -> int:
+    """float32 values a worker of `stage` holds on the host for the copies it keeps: CheckFree+'s stage 0
+    (θ and φ), the snapshot of the block stage it backs up, and its own stage's latest snapshot with the
+    int8 change that led to it (shoal/train/backup_stream.py)."""
+    held = 2 * params_of(0) if keeps_edge_copy(rule, stages, stage) else 0
+    backed_up = backed_up_stage(stages, stage) if backups else None
+    if backed_up is not None:
+        held += params_of(backed_up)
+    if backups and backup_keepers(stages, stage):
+        held += math.ceil(params_of(stage) * (1 + CHANGE_BYTES_PER_VALUE / 4))
+    return held

@@ -67,13 +67,13 @@ def stage_memory(
     blocks: int,
     stage: int,
     averages: bool,
-    kept_params: int = 0,
+    held_values: int = 0,
     audited_microbatches: int = 0,
     replayed_params: int = 0,
 ) -> StageMemory:
     """The memory of stage `stage` holding `blocks` blocks (stage 0: the embedding, norm and head);
-    `kept_params`: the parameters of neighbouring stages its workers keep copies of (θ and φ each:
-    a block stage's backup, CheckFree+'s copy of stage 0), held on the host; `audited_microbatches`:
+    `held_values`: float32 values its workers hold on the host for copies (planning/backups.py
+    `held_values`: CheckFree+'s stage 0, a neighbour's backup snapshot, their own); `audited_microbatches`:
     where data nodes audit steps, the microbatches of a step, whose inputs and output gradients a
     worker keeps in its transcripts (0: no audits); `replayed_params`: on stage 0, the largest block stage
     a data node's step audit replays (0: no audits)."""
@@ -88,7 +88,7 @@ def stage_memory(
         # microbatch's input and output gradient for the kept steps and the one being gathered
         copies += (AUDIT_KEPT_STEPS + 1) + 2 * (AUDIT_KEPT_STEPS + 1)
     io = 2 * FLOAT_BYTES * tokens * model.residual_dim * audited_microbatches * (AUDIT_KEPT_STEPS + 1)
-    fixed = FLOAT_BYTES * (params * copies + 2 * kept_params) + (io if stage != 0 else 0)
+    fixed = FLOAT_BYTES * (params * copies + held_values) + (io if stage != 0 else 0)
     if stage == 0:
         # per microbatch: its embedding output, kept until the gradient comes home; once at a time: the
         # logits, their log-softmax, its gradient and the logits' gradient, over the whole vocabulary

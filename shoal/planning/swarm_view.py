@@ -34,6 +34,16 @@ class RepairNote:
 
 
 @dataclass(frozen=True)
+class BackupNote:
+    """A block-stage replica's latest backup snapshot, as its record announces it (train/backup_stream.py)."""
+
+    version: int
+    inner_step: int
+    outer_epoch: int
+    digest: str
+
+
+@dataclass(frozen=True)
 class DeviceNote:
     """Where a node computes, as its record says (dht/records.py DeviceRecord)."""
 
@@ -78,6 +88,7 @@ class NodeInfo:
     excluded: tuple[tuple[PeerID, str], ...] = ()
     device: DeviceNote | None = None
     placement_note: str | None = None  # why memory kept it off the stage it would have taken
+    backup: BackupNote | None = None  # a block-stage replica's latest snapshot for its keepers
 
     @property
     def live(self) -> bool:

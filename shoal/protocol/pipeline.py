@@ -246,6 +246,31 @@ class StageCopy:
     )
 
 
+@message("backup_pull")
+class BackupPull:
+    """A keeper of `stage`'s backup (or a node restoring it) asks for the latest snapshot
+    (shoal/train/backup_stream.py). `have`: the digest of the snapshot the asker holds of this
+    replica's chain ("" for none): a replica whose previous snapshot that is sends only the change."""
+
+    stage: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
+    have: str = wire_field(max_len=64, pattern=r"[0-9a-f]*", default="")
+
+
+@message("backup")
+class BackupSnapshot:
+    """The answer to a BackupPull, after an Ack: whose chain the snapshot is of (`source`: the replica
+    that took it, which a keeper names when it hands its copy on), its counters, version and digest,
+    then `tensors` float32 tensors (`change` False) or two int8-block pieces a tensor (`change` True)."""
+
+    source: str = wire_field(min_len=1, max_len=MAX_ID_CHARS, token=True)
+    inner_step: int = wire_field(ge=0)
+    outer_epoch: int = wire_field(ge=0)
+    version: int = wire_field(ge=1)
+    digest: str = wire_field(min_len=64, max_len=64, pattern=r"[0-9a-f]+")
+    tensors: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
+    change: bool
+
+
 MAX_TRANSCRIPT_MICROBATCHES = 1024
 
 

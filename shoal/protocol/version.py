@@ -8,6 +8,8 @@ peers and must bump ``PROTOCOL_VERSION``. Adding a *new* message type does not: 
 
 from __future__ import annotations
 
+# 16: node records announce a block-stage replica's latest backup snapshot (version, counters, digest);
+# stage backups travel as snapshots and int8 changes (backup_pull / backup messages);
 # 15: node records list the relays a node is reached through and whether it relays for others;
 # 14: a node record's repair may name the rule `checkpoint` (an imported run's stage from its checkpoint);
 # 13: a node record's repair may name the rule `backup` (a stage restored from a neighbour's backup);
@@ -23,7 +25,7 @@ from __future__ import annotations
 # carry their publisher's claim, pipeline ids are tokens (ASCII letters, digits and . _ : # @ -);
 # 4: node records declare a model id (GRPO rollout workers); 3: stage copies carry gradient norms,
 # node records a repair; 2: `waiting_for`, recompute, step close
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 def is_compatible(version: object) -> bool:

@@ -61,6 +61,7 @@ class Member:
     engine: Engine
     started_at: float
     alive: bool = True
+    record_lingers: bool = False  # dead, but its last record still in every view (a TTL after a SIGKILL)
 
     @property
     def role(self) -> str:
@@ -128,10 +129,11 @@ class InProcessSwarm:
         await worker.start()
         return worker
 
-    async def kill(self, peer_id: str) -> None:
-        """SIGKILL, as its peers see it: nothing it held answers again, and it leaves every view."""
+    async def kill(self, peer_id: str, record_lingers: bool = False) -> None:
+        """SIGKILL, as its peers see it: nothing it held answers again, and it leaves every view (or,
+        `record_lingers`, its last record stays in them, as a DHT keeps it until its TTL runs out)."""
         member = self.members[peer_id]
-        member.alive = False
+        member.alive, member.record_lingers = False, record_lingers
         self.network.kill(peer_id)
         self._tell_views()
         await member.engine.stop()
@@ -168,7 +170,8 @@ class InProcessSwarm:
 
     def view(self, exclude: Iterable[str] = ()) -> SwarmView:
         excluded = set(exclude)
-        nodes = tuple(self._record(m) for m in self.members.values() if m.alive and m.peer_id not in excluded)
+        listed = [m for m in self.members.values() if m.alive or m.record_lingers]
+        nodes = tuple(self._record(m) for m in listed if m.peer_id not in excluded)
         stages = self.run.pipeline.stages
         blocks = tuple(len(stage_layers(self.run.model.n_layers, stages, s)) for s in range(stages))
         return SwarmView(self.run.run_id, self.run.pipeline.stages, blocks, nodes=nodes, taken_at=self._clock)
@@ -177,7 +180,7 @@ class InProcessSwarm:
         progress = member.engine.progress()
         return NodeInfo(member.peer_id, member.role, member.stage, STATE_ACTIVE, BLOCK_THROUGHPUT, MAX_INFLIGHT,
                         inner_step=progress.inner_step, outer_epoch=progress.outer_epoch,
-                        started_at=member.started_at)  # fmt: skip
+                        started_at=member.started_at, backup=progress.backup)  # fmt: skip
 
     def _view_of(self, ctx: NodeContext) -> SwarmView:
         return self.view(exclude=ctx.suspects.current())
@@ -220,6 +223,7 @@ class InProcessSwarm:
             started_at=0.0,
             max_inflight=MAX_INFLIGHT,
             current_view=lambda: self._view_of(ctx),
+            current_listed_view=self.view,
             read_view=fresh_view,
             publish=publish,
             hooks=self.hooks.get(peer_id) or node_hooks(config),

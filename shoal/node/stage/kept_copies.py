@@ -1,48 +1,29 @@
-"""Copies of a stage kept in memory by workers of a neighbouring stage, so that a stage that loses
-every replica comes back as it was instead of being rebuilt. Two rules keep them:
-
-- CheckFree+ for stage 0 (papers/checkfree.md: "E and E⁻¹ are copied to the neighbouring stages, so
-  they are recovered exactly"). Stage 0 (embedding, final norm, LM head) is held by the data nodes;
-  no neighbour average can rebuild it, because no block stage is shaped like it. Under
-  `repair.rule = "checkfree_plus"` the workers of its two neighbours in the ring, block stages 1 and
-  S-1, keep a copy, refreshed every `repair.edge_copy_every` of their own inner steps. A data node
-  that starts with nothing (no save, no live data node to copy) takes stage 0 from the freshest copy.
-- Stage backups, a rule beyond the papers (`repair.backup_every`, on by default): every block stage
-  is kept by the workers of one neighbouring block stage (stage s by stage s+1's workers, the last
-  block stage by the first's: a ring over the block stages), refreshed every `backup_every` of the
-  keeper's own inner steps. A node taking a block stage that has no live replica restores it from
-  the freshest backup, θ and φ, so that NoLoCo's catch-up starts from the stage's own slow weights,
-  and only where no backup is left rebuilds it by the run's rule (CheckFree's neighbour mix). For a
-  model trained from scratch by the swarm a mix is the papers' answer; for a pretrained model it is
-  no repair: one lost stage of SmolLM2-135M rebuilt from its neighbour sent the loss from 2.89 to 18.5.
-
-A copy is up to `every` steps old: a restored stage has lost at most that many of its own updates,
-and its AdamW moments (not kept: they would double the cost), so its optimizer starts fresh. The cost
-is the kept stage's θ and φ in host memory on each keeper, and one copy stream per period per keeper,
-through the same `rpc_copy_stage` a joiner uses (every tensor checked: count, shapes, dtype, finite,
-and the counters against the run).
+"""CheckFree+'s copies of stage 0, kept in memory by the workers of its neighbouring stages, so that a
+lost stage 0 comes back as it was (papers/checkfree.md: "E and E⁻¹ are copied to the neighbouring
+stages, so they are recovered exactly"). Stage 0 (embedding, final norm, LM head) is held by the data
+nodes; no neighbour average can rebuild it, because no block stage is shaped like it. Under
+`repair.rule = "checkfree_plus"` the workers of its two neighbours in the ring, block stages 1 and
+S-1, keep a copy (θ and φ), refreshed every `repair.edge_copy_every` of their own inner steps, through
+the same `rpc_copy_stage` a joiner uses (every tensor checked: count, shapes, dtype, finite, and the
+counters against the run). A data node that starts with nothing (no save, no live data node to copy)
+takes stage 0 from the freshest copy. Block stages have backups of their own (backups.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Collection
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig
 from shoal.model.stages import build_stage
-from shoal.node.engine import Repair
 from shoal.node.stage.copy import WIRE_DTYPE, DonorBusy, FetchedStage, StageHolder, adopt_stage, fetch_stage
 from shoal.p2p.streams import FramedStream
-from shoal.planning.backups import backup_keepers
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.protocol.pipeline import Ack, StageCopy
-from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +163,7 @@ async def _freshest_copy(holder: StageHolder, stage: int, keepers: list[NodeInfo
     return max(copies, key=lambda c: c.inner_step, default=None)
 
 
-def _active(holder: StageHolder, stages: Collection[int], dead: Collection[str] = ()) -> list[NodeInfo]:
+def active_replicas(holder: StageHolder, stages: Collection[int], dead: Collection[str] = ()) -> list[NodeInfo]:
     view, me = holder.ctx.view, holder.ctx.peer_id
     if view is None:
         return []
@@ -196,7 +177,7 @@ async def recover_stage0(driver: StageHolder) -> str | None:
     ctx, run = driver.ctx, driver.ctx.run
     if run.repair.rule != "checkfree_plus":
         return None
-    keepers = _active(driver, {1, run.pipeline.stages - 1})
+    keepers = active_replicas(driver, {1, run.pipeline.stages - 1})
     best = await _freshest_copy(driver, 0, keepers)
     if best is None:
         return None
@@ -205,27 +186,3 @@ async def recover_stage0(driver: StageHolder) -> str | None:
                 next(n.stage for n in keepers if n.peer_id == best.peer_id), best.peer_id[-8:],
                 best.inner_step)  # fmt: skip
     return best.peer_id
-
-
-async def restore_from_backup(worker: StageHolder, dead: Collection[str] = ()) -> Repair | None:
-    """A block stage with no live replica: take it back from the freshest backup its keepers hold, with
-    a fresh inner optimizer at the schedule's rate; returns the repair for our record (None: no keeper
-    held a trained backup, and the caller rebuilds the stage by the run's rule, saying so)."""
-    ctx, run = worker.ctx, worker.ctx.run
-    started = time.monotonic()
-    stages = backup_keepers(run.pipeline.stages, worker.stage)
-    keepers = _active(worker, stages, dead)
-    best = await _freshest_copy(worker, worker.stage, keepers)
-    if best is None or best.inner_step == 0:
-        logger.warning("[%s] stage %d: no backup of it left (keepers: stage(s) %s, %d live): falling back to %s",
-                       ctx.short_id, worker.stage, stages, len(keepers), run.repair.rule)  # fmt: skip
-        return None
-    keeper_stage = next(n.stage for n in keepers if n.peer_id == best.peer_id)
-    worker.optimizer = InnerOptimizer(worker.module, run.optim, run.train.steps)
-    await adopt_stage(worker, best.theta, best.phi, best.inner_step, best.outer_epoch)
-    seconds = time.monotonic() - started
-    logger.warning("[%s] stage %d had no replica left: restored from the backup stage %d's %s keeps (inner step %d, "
-                   "outer epoch %d) in %.2f s", ctx.short_id, worker.stage, keeper_stage, best.peer_id[-8:],
-                   best.inner_step, best.outer_epoch, seconds)  # fmt: skip
-    return Repair(stage=worker.stage, rule="backup", sources=[keeper_stage], inner_step=best.inner_step,
-                  seconds=seconds, at=float(get_dht_time()), note=f"the backup {best.peer_id[-8:]} kept")  # fmt: skip

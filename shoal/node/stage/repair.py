@@ -2,7 +2,7 @@
 
 A node taking a block stage copies a live replica when there is one (stage_copy.py). When there is
 none but the swarm has trained, the stage's weights are gone with its last replica. What survives of
-it is taken first: the backup a neighbouring stage keeps (kept_copies.py), else, in a run imported
+it is taken first: the backup a neighbouring stage keeps (backups.py), else, in a run imported
 from a checkpoint that this node holds, the checkpoint's own tensors for the stage (the fine-tuning
 since is lost, the pretrained model is not: a neighbour mix would lose it). Only then the node asks a
 replica of each neighbouring stage for its weights and last gradient norms (the same stream as a
@@ -24,8 +24,8 @@ from hivemind.utils import get_dht_time
 from shoal.model.hf import initial_stage
 from shoal.node.context import NodeContext
 from shoal.node.engine import Repair
+from shoal.node.stage.backups import restore_from_backup
 from shoal.node.stage.copy import FetchedStage, StageHolder, adopt_stage, fetch_stage
-from shoal.node.stage.kept_copies import restore_from_backup
 from shoal.planning.backups import backup_keepers
 from shoal.planning.swarm_view import STATE_ACTIVE, NodeInfo
 from shoal.train.inner import InnerOptimizer

@@ -47,13 +47,14 @@ from shoal.node.pipeline.worker.stepper import Stepper
 from shoal.node.pipeline.worker.transcripts import TranscriptServer
 from shoal.node.pipeline.worker.waits import CloseWaits, close_wait_s
 from shoal.node.rpcs import EngineRpcs
+from shoal.node.stage.backups import BackupKeeper, BackupSource
 from shoal.node.stage.copy import join_stage, serve_stage_copy
 from shoal.node.stage.kept_copies import StageCopyKeeper
 from shoal.node.stage.repair import repair_stage, stage_was_lost
 from shoal.p2p.rpc import Rpc
 from shoal.p2p.streams import FramedStream
-from shoal.planning.backups import backed_up_stage, keeps_edge_copy
-from shoal.protocol.pipeline import Ack, StageCopyRequest, StepTranscriptRequest
+from shoal.planning.backups import backed_up_stage, backup_keepers, keeps_edge_copy
+from shoal.protocol.pipeline import Ack, BackupPull, StageCopyRequest, StepTranscriptRequest
 from shoal.train.inner import InnerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,15 @@ class StageWorker(PipelineEngine):
         self.failed_donors: frozenset[str] = frozenset()  # listed replicas that did not give their weights
         averager_type = AVERAGERS.get(run.averaging.mode)  # None: replicas never share weights
         self.averager: Averager | None = averager_type(ctx, self) if averager_type is not None else None
-        # copies of neighbouring stages we keep, by stage (kept_copies.py): stage 0 under CheckFree+, where
-        # we neighbour it, and the backup of the block stage before ours
-        self.kept_copies: dict[int, StageCopyKeeper] = {}
+        # stage 0's copy under CheckFree+, where we neighbour it (kept_copies.py); our own stage's chain of
+        # backup snapshots, and the backup of the block stage before ours (backups.py)
+        self.edge_copy: StageCopyKeeper | None = None
         if keeps_edge_copy(run.repair.rule, run.pipeline.stages, stage):
-            self.kept_copies[0] = StageCopyKeeper(self, 0, run.repair.edge_copy_every, "CheckFree+")
-        backed_up = backed_up_stage(run.pipeline.stages, stage)
-        if run.repair.backup_every and backed_up is not None:
-            self.kept_copies[backed_up] = StageCopyKeeper(self, backed_up, run.repair.backup_every, "backup")
+            self.edge_copy = StageCopyKeeper(self, 0, run.repair.edge_copy_every, "CheckFree+")
+        backups, backed_up = run.repair.backup_every > 0, backed_up_stage(run.pipeline.stages, stage)
+        keepers = backup_keepers(run.pipeline.stages, stage)
+        self.backup_source = BackupSource(self, run.repair.backup_every) if backups and keepers else None
+        self.backup_keeper = BackupKeeper(self, backed_up) if backups and backed_up is not None else None
         # for data nodes' step audits
         self.transcripts = TranscriptServer(
             run.defense.step_audit_rate > 0, compute_kind(ctx.device, ctx.compute_dtype)
@@ -126,6 +128,7 @@ class StageWorker(PipelineEngine):
             EngineRpcs.step_close: self.closes.on_step_close,
             EngineRpcs.gossip: self.on_gossip,
             EngineRpcs.copy_stage: self.on_copy_stage,
+            EngineRpcs.backup_pull: self.on_backup_pull,
             EngineRpcs.step_transcript: self.on_step_transcript,
         }
 
@@ -139,8 +142,12 @@ class StageWorker(PipelineEngine):
                            self.hooks.stage_attack_name)  # fmt: skip
         if self.averager is not None:
             await self.averager.start()
-        for kept in self.kept_copies.values():
-            self.spawn(kept.run(), f"copy of stage {kept.stage}")
+        if self.edge_copy is not None:
+            self.spawn(self.edge_copy.run(), "copy of stage 0")
+        if self.backup_source is not None:
+            self.spawn(self.backup_source.run(), f"backup snapshots of stage {self.stage}")
+        if self.backup_keeper is not None:
+            self.spawn(self.backup_keeper.run(), f"backup of stage {self.backup_keeper.stage}")
 
     def progress(self) -> Progress:
         averager = self.averager
@@ -153,6 +160,7 @@ class StageWorker(PipelineEngine):
             repair=self.repair,
             averager_maddrs=tuple(averager.maddrs) if averager is not None else (),
             excluded=tuple(averager.excluded) if averager is not None else (),
+            backup=self.backup_source.note() if self.backup_source is not None else None,
         )
 
     async def load_state_dict(self, state: TrainedState) -> None:
@@ -179,12 +187,21 @@ class StageWorker(PipelineEngine):
         await self.transcripts.serve(request, stream)
 
     async def on_copy_stage(self, request: StageCopyRequest, stream: FramedStream, sender: str) -> None:
-        kept = self.kept_copies.get(request.stage) if request.stage != self.stage else None
-        if kept is not None:
-            await kept.serve(stream)  # a node restoring a lost stage we keep a copy of
+        if request.stage == 0 and self.edge_copy is not None:
+            await self.edge_copy.serve(stream)  # a data node restoring stage 0 from our copy
             return
         await serve_stage_copy(self, request, stream)
         self.copies_served += 1
+
+    async def on_backup_pull(self, request: BackupPull, stream: FramedStream, sender: str) -> None:
+        """Our stage's latest snapshot (to its keepers), or the one we keep of the stage before ours (to a
+        node restoring it, or a joiner of our stage taking our backup over)."""
+        if request.stage == self.stage and self.backup_source is not None:
+            await self.backup_source.serve(request, stream)
+        elif self.backup_keeper is not None and request.stage == self.backup_keeper.stage:
+            await self.backup_keeper.serve(stream)
+        else:
+            await stream.write_message(Ack(accepted=False, reason=f"no backup of stage {request.stage} here"))
 
     async def join_by_copy(self) -> str | None:
         """Before serving a stage that has a live replica, take its weights; returns whom we copied.
@@ -195,8 +212,11 @@ class StageWorker(PipelineEngine):
         attempt = await join_stage(self)
         self.failed_donors = frozenset(attempt.failed)
         if attempt.source is not None:
-            for kept in self.kept_copies.values():  # the donor's copies of neighbouring stages come along
-                await kept.take_from(attempt.source)
+            # the donor's copies of neighbouring stages come along
+            if self.edge_copy is not None:
+                await self.edge_copy.take_from(attempt.source)
+            if self.backup_keeper is not None:
+                await self.backup_keeper.take_from(attempt.source)
         return attempt.source
 
     async def work(self) -> dict | None:
@@ -240,6 +260,7 @@ class StageWorker(PipelineEngine):
             "transcripts_served": self.transcripts.served,
             "adversary": self.hooks.stage_attack_name,
             "averaging": self.averager.stats() if self.averager is not None else {"mode": self.run.averaging.mode},
-            "edge_copy": self.kept_copies[0].stats() if 0 in self.kept_copies else None,
-            "backup": next((k.stats() for s, k in self.kept_copies.items() if s != 0), None),
+            "edge_copy": self.edge_copy.stats() if self.edge_copy is not None else None,
+            "backup": self.backup_keeper.stats() if self.backup_keeper is not None else None,
+            "backup_source": self.backup_source.stats() if self.backup_source is not None else None,
         }
