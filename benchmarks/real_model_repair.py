@@ -77,10 +77,20 @@ def summary(arm: str, report: dict, at: int) -> dict:
         "lost": report["microbatches_abandoned"],
         "injected": report["microbatches_injected"],
         "tokens_per_s": report["tokens_per_s"],
+        # [name, stage, peak RSS, RSS at the node's start (its runtime: interpreter, torch, libp2p client)]
         "peaks_mib": [
-            [n["name"], n.get("stage", 0), n["peak_rss_mb"]] for n in report["nodes"] if n.get("peak_rss_mb")
+            [n["name"], n.get("stage", 0), n["peak_rss_mb"], n.get("start_rss_mb")]
+            for n in report["nodes"]
+            if n.get("peak_rss_mb")
         ],  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or "unknown"
 
 
 def plans_mib() -> dict[str, float]:
@@ -108,10 +118,13 @@ def markdown(results: dict) -> str:
     backup = next(s for s in results["arms"] if s["arm"] == "backup")
     plans, weights = results["plans_mib"], results["weights_mib"]
     mem = []
-    for name, stage, peak in backup["peaks_mib"]:
-        stage = str(stage)
+    for name, stage, peak, *start in backup["peaks_mib"]:
+        stage, start_mib = str(stage), (start[0] if start else None)
+        own = "n/a" if start_mib is None else f"{start_mib:,.0f}"
+        own_ratio = "n/a" if start_mib is None else f"{(peak - start_mib) / weights[stage]:.1f}"
         mem.append(f"| {name} (stage {stage}) | {peak:,.0f} | {plans[stage]:,.0f} | {peak / plans[stage]:.2f} | "
-                   f"{weights[stage]:,.0f} | {peak / weights[stage]:.1f} |")  # fmt: skip
+                   f"{weights[stage]:,.0f} | {peak / weights[stage]:.1f} | {own} | {own_ratio} |")  # fmt: skip
+    dates = sorted({f"{s['arm']}: {s['date']} at {s['commit']}" for s in results["arms"] if s.get("date")})
     intro = (
         f"Reproduce: `make smollm2 && .venv/bin/python benchmarks/real_model_repair.py` "
         f"({wall_time(results['wall_s'])}, {results['machine']}). SmolLM2-135M-Instruct from its Q4_1 GGUF "
@@ -124,12 +137,17 @@ def markdown(results: dict) -> str:
     )
     memory = (
         "Each node's peak resident set in the backup arm against its memory plan (planning/memory.py at the "
-        "run's microbatches per step, its runtime term included) and against its stage's float32 weights:"
+        "run's microbatches per step, its runtime term included) and against its stage's float32 weights; "
+        "*start*: the process's resident set when the node started, before it took a stage (the interpreter, "
+        "torch, the libp2p client, one measured block), and what the peak holds beyond it:"
     )
+    measured = f"Arms measured: {'; '.join(dates)}." if dates else ""
     return f"""
 ## A pretrained model loses a whole stage: backup, checkpoint, CheckFree (SmolLM2-135M)
 
 {intro}
+
+{measured}
 
 | arm | rule | repair s | val before | val just after | steps back | val at end | lost |
 |---|---|---:|---:|---:|---|---:|---:|
@@ -137,8 +155,8 @@ def markdown(results: dict) -> str:
 
 {memory}
 
-| node | peak MiB | plan MiB | peak ÷ plan | weights MiB | peak ÷ weights |
-|---|---:|---:|---:|---:|---:|
+| node | peak MiB | plan MiB | peak ÷ plan | weights MiB | peak ÷ weights | start MiB | (peak − start) ÷ weights |
+|---|---:|---:|---:|---:|---:|---:|---:|
 {chr(10).join(mem)}
 """
 
@@ -160,6 +178,12 @@ def main() -> None:
             report = run_arm(arm, args.steps, args.at, Path(tmp))
         arms.append(summary(arm, report, args.at))
         print(json.dumps(arms[-1]), flush=True)
+    if RESULTS.exists():  # arms not rerun keep their last measurement (each says when and at which commit)
+        earlier = json.loads(RESULTS.read_text())
+        if (earlier["steps"], earlier["at"]) == (args.steps, args.at):
+            rerun = {a["arm"] for a in arms}
+            arms = [a for a in earlier["arms"] if a["arm"] not in rerun] + arms
+            arms.sort(key=lambda a: list(ARMS).index(a["arm"]))
     results = {"steps": args.steps, "at": args.at, "arms": arms, "plans_mib": plans_mib(), "weights_mib": weights_mib(),
                "machine": f"{platform.machine()}, 2 cores", "wall_s": time.monotonic() - started}  # fmt: skip
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -351,7 +351,12 @@ def test_a_restore_takes_the_backup_the_stage_announced_and_refuses_a_forged_one
             first = await caught_up()
             await holder.backup_source.take(holder.optimizer.step_count, 0)  # one more backup point
             assert (await caught_up()).version == first.version + 1 and kept.changes >= 1  # came as a change
-            if keeper == "forges":
+            if keeper == "forges":  # and keeps what it forged (an honest keeper drops a snapshot not announced)
+
+                async def keeps_its_forgery() -> bool:
+                    return False
+
+                kept.refresh = keeps_its_forgery
                 held = kept.snapshot
                 forged = [t + 0.5 for t in held.tensors]
                 digest = snapshot_digest(forged, held.inner_step, held.outer_epoch, held.version)

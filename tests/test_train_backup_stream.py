@@ -14,7 +14,7 @@ from shoal.planning.swarm_view import BackupNote
 from shoal.protocol.errors import BadTensor
 from shoal.train.backup_stream import (
     BadBackup,
-    apply_change,
+    apply_changes,
     change_specs,
     first_snapshot,
     next_snapshot,
@@ -52,7 +52,7 @@ def test_a_keeper_following_the_changes_holds_the_replicas_snapshot_to_the_bit_a
     kept = whole_snapshot(source.tensors, 0, 0, source.version, source.digest)
     for k, now in enumerate(points[1:], start=1):
         source, pieces = next_snapshot(source, now, 10 * k, k)
-        kept = apply_change(kept, pieces, 10 * k, k, source.version, source.digest)
+        kept = apply_changes(kept, [pieces], 10 * k, k, source.version, source.digest)
         assert (kept.version, kept.digest) == (source.version, source.digest) == (k + 1, source.digest)
         assert all(torch.equal(a, b) for a, b in zip(kept.tensors, source.tensors, strict=True))
         # what the int8 blocks leave out stays within one quantum of the change, and is not compounded
@@ -63,6 +63,21 @@ def test_a_keeper_following_the_changes_holds_the_replicas_snapshot_to_the_bit_a
     assert 8 * n / change_bytes > 6  # against θ and φ whole in float32
 
 
+def test_a_keeper_a_few_snapshots_behind_catches_up_through_the_changes_since_its_own():
+    points = trained(3)
+    source = first_snapshot(points[0], 0, 0)
+    kept, changes = source, []
+    for k, now in enumerate(points[1:], start=1):
+        source, pieces = next_snapshot(source, now, 10 * k, k)
+        changes.append(pieces)
+    caught_up = apply_changes(kept, changes, 30, 3, source.version, source.digest)
+    assert caught_up.digest == source.digest and caught_up.version == 4
+    with pytest.raises(BadBackup, match="does not match"):  # the changes out of order
+        apply_changes(kept, [changes[1], changes[0], changes[2]], 30, 3, source.version, source.digest)
+    with pytest.raises(BadBackup, match="2 change"):  # one missing
+        apply_changes(kept, changes[1:], 30, 3, source.version, source.digest)
+
+
 def test_a_tampered_change_or_one_applied_to_another_snapshot_is_refused():
     points = trained(2)
     source = first_snapshot(points[0], 0, 0)
@@ -71,18 +86,18 @@ def test_a_tampered_change_or_one_applied_to_another_snapshot_is_refused():
     bad = [p.clone() for p in pieces]
     bad[1][0, 0] = bad[1][0, 0] + 1 if int(bad[1][0, 0]) < 127 else bad[1][0, 0] - 1
     with pytest.raises(BadBackup, match="does not match the digest"):
-        apply_change(kept, bad, 10, 1, source.version, source.digest)
+        apply_changes(kept, [bad], 10, 1, source.version, source.digest)
     with pytest.raises(BadBackup, match="does not match the digest"):  # counters lied about
-        apply_change(kept, pieces, 11, 1, source.version, source.digest)
+        apply_changes(kept, [pieces], 11, 1, source.version, source.digest)
     with pytest.raises(BadBackup, match="version 3 of a snapshot at version 1"):
-        apply_change(kept, pieces, 10, 1, 3, source.digest)
+        apply_changes(kept, [pieces], 10, 1, 3, source.digest)
     with pytest.raises(BadTensor):  # a piece that is not int8 blocks
-        apply_change(kept, [pieces[0], pieces[1].float(), *pieces[2:]], 10, 1, source.version, source.digest)
+        apply_changes(kept, [[pieces[0], pieces[1].float(), *pieces[2:]]], 10, 1, source.version, source.digest)
     with pytest.raises(BadTensor, match="pieces"):
-        apply_change(kept, pieces[:-1], 10, 1, source.version, source.digest)
+        apply_changes(kept, [pieces[:-1]], 10, 1, source.version, source.digest)
     other = first_snapshot(weights(1), 0, 0)  # a keeper holding some other chain's snapshot
     with pytest.raises(BadBackup):
-        apply_change(other, pieces, 10, 1, source.version, source.digest)
+        apply_changes(other, [pieces], 10, 1, source.version, source.digest)
 
 
 def test_a_whole_snapshot_is_held_to_its_digest():

@@ -33,6 +33,7 @@ def _node_row(peer, stats_path: Path) -> dict:
                 "bytes_received": traffic.get("bytes_received"),
                 "wire_bytes": stats.get("wire_bytes"),
                 "peak_rss_mb": round(stats.get("peak_rss_bytes", 0) / 2**20, 1),
+                "start_rss_mb": round(stats.get("start_rss_bytes", 0) / 2**20, 1),
                 "averaging": engine.get("averaging"),
             }
         )

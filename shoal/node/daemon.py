@@ -22,7 +22,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from shoal.config import RunConfig
-from shoal.device import DeviceError, choose_device
+from shoal.device import DeviceError, choose_device, resident_bytes
 from shoal.dht.identity import load_identity
 from shoal.dht.swarm import SwarmDHT
 from shoal.errors import UsageError
@@ -90,6 +90,9 @@ class Node:
         )
         self.record = NodeRecord(dht, run, machine, self.links, self.started_at, config.network.record_ttl_s)
         self.memory = MemorySampler()
+        # what the process holds before any stage: the interpreter, torch, the libp2p client, the
+        # measured block (its stats report the peak beside it, so the stage's own share can be read)
+        self.start_rss_bytes = resident_bytes()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._handlers: list[str] = []
@@ -429,7 +432,7 @@ class Node:
         progress = self.progress()
         own = {"peer_id": self.peer_id, "role": self.role, "stage": self.stage, "inner_step": progress.inner_step,
                "loss": progress.loss, "block_throughput": self.block_throughput,
-               "max_inflight": self.max_inflight}  # fmt: skip
+               "max_inflight": self.max_inflight, "start_rss_bytes": self.start_rss_bytes}  # fmt: skip
         return node_stats(own, self.engine, self.machine.device, self.memory)
 
     def _write_stats_file(self) -> None:

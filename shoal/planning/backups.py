@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 CHANGE_BYTES_PER_VALUE = 1 + 4 / 64  # a snapshot's change: int8 values, a float32 scale per 64
+KEPT_CHANGES = 2  # a replica keeps its last changes, for keepers a snapshot or two behind
 
 
 def keeps_edge_copy(rule: str, stages: int, stage: int) -> bool:
@@ -30,11 +31,11 @@ def backup_keepers(stages: int, stage: int) -> list[int]:
 def held_values(stages: int, stage: int, params_of: Callable[[int], int], rule: str, backups: bool) -> int:
     """float32 values a worker of `stage` holds on the host for the copies it keeps: CheckFree+'s stage 0
     (θ and φ), the snapshot of the block stage it backs up, and its own stage's latest snapshot with the
-    int8 change that led to it (shoal/train/backup_stream.py)."""
+    last int8 changes that led to it (shoal/train/backup_stream.py)."""
     held = 2 * params_of(0) if keeps_edge_copy(rule, stages, stage) else 0
     backed_up = backed_up_stage(stages, stage) if backups else None
     if backed_up is not None:
         held += params_of(backed_up)
     if backups and backup_keepers(stages, stage):
-        held += math.ceil(params_of(stage) * (1 + CHANGE_BYTES_PER_VALUE / 4))
+        held += math.ceil(params_of(stage) * (1 + KEPT_CHANGES * CHANGE_BYTES_PER_VALUE / 4))
     return held

@@ -246,6 +246,9 @@ class StageCopy:
     )
 
 
+MAX_BACKUP_CHANGES = 8
+
+
 @message("backup_pull")
 class BackupPull:
     """A keeper of `stage`'s backup (or a node restoring it) asks for the latest snapshot
@@ -260,7 +263,8 @@ class BackupPull:
 class BackupSnapshot:
     """The answer to a BackupPull, after an Ack: whose chain the snapshot is of (`source`: the replica
     that took it, which a keeper names when it hands its copy on), its counters, version and digest,
-    then `tensors` float32 tensors (`change` False) or two int8-block pieces a tensor (`change` True)."""
+    then `tensors` float32 tensors (`changes` 0: the snapshot whole) or `changes` changes in order,
+    each two int8-block pieces a tensor (from the asker's snapshot, a few versions back at most)."""
 
     source: str = wire_field(min_len=1, max_len=MAX_ID_CHARS, token=True)
     inner_step: int = wire_field(ge=0)
@@ -268,7 +272,7 @@ class BackupSnapshot:
     version: int = wire_field(ge=1)
     digest: str = wire_field(min_len=64, max_len=64, pattern=r"[0-9a-f]+")
     tensors: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
-    change: bool
+    changes: int = wire_field(ge=0, le=MAX_BACKUP_CHANGES)
 
 
 MAX_TRANSCRIPT_MICROBATCHES = 1024

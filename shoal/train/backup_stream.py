@@ -82,18 +82,28 @@ def next_snapshot(
     return _rebuilt(previous, pieces, inner_step, outer_epoch), pieces
 
 
-def apply_change(
-    previous: Snapshot, pieces: Sequence[torch.Tensor], inner_step: int, outer_epoch: int, version: int, digest: str
+def apply_changes(
+    previous: Snapshot,
+    changes: Sequence[Sequence[torch.Tensor]],
+    inner_step: int,
+    outer_epoch: int,
+    version: int,
+    digest: str,
 ) -> Snapshot:
-    """The keeper's side of `next_snapshot`: `previous` moved by the received pieces, which must rebuild
-    the snapshot the sender named (`version`, `digest`); raises BadTensor / BadBackup otherwise."""
-    if version != previous.version + 1:
-        raise BadBackup(f"a change to version {version} of a snapshot at version {previous.version}")
-    if len(pieces) != len(change_specs(previous.shapes)):
-        raise BadTensor(f"a snapshot change of {len(pieces)} pieces for {len(previous.tensors)} tensors")
-    snapshot = _rebuilt(previous, pieces, inner_step, outer_epoch)
+    """The keeper's side of `next_snapshot`: `previous` moved by each received change in turn (a keeper
+    a few snapshots behind gets the changes since its own), which must rebuild the snapshot the sender
+    named (`version`, `digest`); raises BadTensor / BadBackup otherwise."""
+    if not changes or version != previous.version + len(changes):
+        raise BadBackup(f"{len(changes)} change(s) to version {version} of a snapshot at version {previous.version}")
+    tensors = list(previous.tensors)
+    for pieces in changes:
+        if len(pieces) != len(change_specs(previous.shapes)):
+            raise BadTensor(f"a snapshot change of {len(pieces)} pieces for {len(previous.tensors)} tensors")
+        tensors = _moved(tensors, pieces)
+    snapshot = Snapshot(tuple(tensors), inner_step, outer_epoch, version,
+                        snapshot_digest(tensors, inner_step, outer_epoch, version))  # fmt: skip
     if snapshot.digest != digest:
-        raise BadBackup("the snapshot rebuilt from its change does not match the digest it came with")
+        raise BadBackup("the snapshot rebuilt from its changes does not match the digest it came with")
     return snapshot
 
 
@@ -126,10 +136,11 @@ def verdict(source: str, snapshot: Snapshot, announced: Mapping[str, BackupNote]
 
 
 def _rebuilt(previous: Snapshot, pieces: Sequence[torch.Tensor], inner_step: int, outer_epoch: int) -> Snapshot:
-    tensors = []
-    for k, held in enumerate(previous.tensors):
-        change = INT8_BLOCKS.decode(pieces[2 * k : 2 * k + 2], tuple(held.shape))
-        tensors.append(held + change)
+    tensors = _moved(list(previous.tensors), pieces)
     version = previous.version + 1
     return Snapshot(tuple(tensors), inner_step, outer_epoch, version,
                     snapshot_digest(tensors, inner_step, outer_epoch, version))  # fmt: skip
+
+
+def _moved(tensors: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [held + INT8_BLOCKS.decode(pieces[2 * k : 2 * k + 2], tuple(held.shape)) for k, held in enumerate(tensors)]

@@ -41,14 +41,14 @@ from shoal.node.stage.copy import StageHolder, adopt_stage
 from shoal.node.stage.kept_copies import active_replicas, stage_reference
 from shoal.p2p.streams import FramedStream, read_reply
 from shoal.p2p.transport import Transport
-from shoal.planning.backups import backup_keepers
+from shoal.planning.backups import KEPT_CHANGES, backup_keepers
 from shoal.planning.swarm_view import STATE_ACTIVE, BackupNote
 from shoal.protocol.pipeline import Ack, BackupPull, BackupSnapshot
 from shoal.protocol.tensors import TensorSpec
 from shoal.train.backup_stream import (
     BadBackup,
     Snapshot,
-    apply_change,
+    apply_changes,
     change_specs,
     first_snapshot,
     next_snapshot,
@@ -65,11 +65,18 @@ POLL_S = 0.5
 
 @dataclass(frozen=True)
 class Chain:
-    """A replica's latest snapshot, the digest of the one before it, and the change between them."""
+    """A replica's latest snapshot and the last changes that led to it, oldest first, each with the
+    digest of the snapshot it starts from."""
 
     latest: Snapshot
-    previous_digest: str | None
-    change: list[torch.Tensor]
+    changes: tuple[tuple[str, list[torch.Tensor]], ...] = ()
+
+    def since(self, digest: str) -> list[list[torch.Tensor]] | None:
+        """The changes from the snapshot of this digest to the latest (None: not one we can bridge)."""
+        starts = [start for start, _ in self.changes]
+        if not digest or digest not in starts:
+            return None
+        return [pieces for _, pieces in self.changes[starts.index(digest) :]]
 
 
 class BackupSource:
@@ -98,8 +105,13 @@ class BackupSource:
         while True:
             await asyncio.sleep(POLL_S)
             point = self.due()
-            if point is not None:
+            if point is None:
+                continue
+            try:
                 await self.take(*point)
+            except Exception as e:  # the next backup point tries again; training goes on either way
+                logger.warning("[%s] could not take a backup snapshot of stage %d: %s", self.worker.ctx.short_id,
+                               self.worker.stage, e)  # fmt: skip
 
     async def take(self, inner_step: int, outer_epoch: int) -> None:
         """Snapshot the stage at this backup point (φ between outer steps, else θ between compute jobs)."""
@@ -114,11 +126,12 @@ class BackupSource:
             inner_step = worker.optimizer.step_count
         chain = self.chain
         if chain is None:
-            latest, change = first_snapshot(weights, inner_step, outer_epoch), []
+            self.chain = Chain(first_snapshot(weights, inner_step, outer_epoch))
         else:
             latest, change = await asyncio.to_thread(next_snapshot, chain.latest, weights, inner_step, outer_epoch)
-        self.chain = Chain(latest, chain.latest.digest if chain is not None else None, change)
+            self.chain = Chain(latest, (*chain.changes, (chain.latest.digest, change))[-KEPT_CHANGES:])
         self.snapshots += 1
+        await worker.ctx.publish()  # the record announces it now: keepers pull changes, not a stale version
 
     def note(self) -> BackupNote | None:
         latest = self.chain.latest if self.chain is not None else None
@@ -132,11 +145,10 @@ class BackupSource:
         if chain is None:
             await stream.write_message(Ack(accepted=False, reason="no snapshot of this stage taken yet"))
             return
-        change = bool(request.have) and request.have == chain.previous_digest
+        changes = chain.since(request.have)
         await stream.write_message(Ack(accepted=True))
-        self.bytes_served += await write_snapshot(stream, self.worker.ctx.peer_id, chain.latest,
-                                                  chain.change if change else None)  # fmt: skip
-        if change:
+        self.bytes_served += await write_snapshot(stream, self.worker.ctx.peer_id, chain.latest, changes)
+        if changes is not None:
             self.changes_served += 1
         else:
             self.wholes_served += 1
@@ -149,7 +161,7 @@ class BackupSource:
             "changes_served": self.changes_served,
             "wholes_served": self.wholes_served,
             "bytes_served": self.bytes_served,
-            "bytes_held": (latest.nbytes + sum(p.numel() * p.element_size() for p in self.chain.change))
+            "bytes_held": (latest.nbytes + sum(p.numel() * p.element_size() for _, c in self.chain.changes for p in c))
             if latest is not None and self.chain is not None
             else 0,
         }
@@ -185,10 +197,13 @@ class BackupKeeper:
         announced = {n.peer_id: n.backup for n in view.replicas(self.stage)
                      if n.state == STATE_ACTIVE and n.peer_id != me and n.backup is not None}  # fmt: skip
         if self.source in announced:
-            note = announced[self.source]
-            held = self.snapshot
-            current = held is not None and (held.version, held.digest) == (note.version, note.digest)
-            return None if current else (self.source, note)
+            note, held = announced[self.source], self.snapshot
+            if held is None or note.version > held.version:
+                return self.source, note
+            if note.version == held.version and note.digest != held.digest:  # not what it announced: start over
+                self.snapshot = None
+                return self.source, note
+            return None  # what it announces, or newer (its record lags our last pull)
         if not announced:
             return None
         peer = max(announced, key=lambda p: announced[p].inner_step)
@@ -203,8 +218,9 @@ class BackupKeeper:
         ctx = self.worker.ctx
         held = self.snapshot if peer == self.source else None
         try:
-            source, snapshot, nbytes = await pull_snapshot(ctx.transport, peer, self.stage, self.reference,
-                                                           ctx.config.network.rpc_timeout_s, held, ctx.run)  # fmt: skip
+            source, snapshot, nbytes, changes = await pull_snapshot(ctx.transport, peer, self.stage, self.reference,
+                                                                    ctx.config.network.rpc_timeout_s, held,
+                                                                    ctx.run)  # fmt: skip
             if source != peer:
                 raise BadBackup(f"a replica's snapshot of {source[-8:]}'s chain, not its own")
             if snapshot.version == note.version and snapshot.digest != note.digest:
@@ -220,7 +236,7 @@ class BackupKeeper:
         if self.snapshot is None:
             logger.info("[%s] backup: keeping stage %d's snapshots (from %s, inner step %d), each as its change",
                         ctx.short_id, self.stage, peer[-8:], snapshot.inner_step)  # fmt: skip
-        if held is not None and snapshot.version == held.version + 1:
+        if changes:
             self.changes += 1
         else:
             self.wholes += 1
@@ -233,8 +249,9 @@ class BackupKeeper:
         backup outlives its keepers' restarts while one replica of the keeping stage lives."""
         ctx = self.worker.ctx
         try:
-            source, snapshot, nbytes = await pull_snapshot(ctx.transport, peer, self.stage, self.reference,
-                                                           ctx.config.network.rpc_timeout_s, None, ctx.run)  # fmt: skip
+            timeout_s = ctx.config.network.rpc_timeout_s
+            source, snapshot, nbytes, _ = await pull_snapshot(ctx.transport, peer, self.stage, self.reference,
+                                                              timeout_s, None, ctx.run)  # fmt: skip
         except Exception as e:
             logger.info("[%s] backup: %s kept no snapshot of stage %d for us: %s", ctx.short_id, peer[-8:],
                         self.stage, e)  # fmt: skip
@@ -273,15 +290,16 @@ class BackupKeeper:
         }
 
 
-async def write_snapshot(stream: FramedStream, source: str, snapshot: Snapshot, change: list | None) -> int:
-    """The header, then the change's pieces (`change`) or the snapshot's tensors whole; returns the bytes."""
+async def write_snapshot(stream: FramedStream, source: str, snapshot: Snapshot, changes: list | None) -> int:
+    """The header, then each change's pieces in order (`changes`) or the snapshot's tensors whole;
+    returns the bytes."""
     header = BackupSnapshot(source=source, inner_step=snapshot.inner_step, outer_epoch=snapshot.outer_epoch,
                             version=snapshot.version, digest=snapshot.digest, tensors=len(snapshot.tensors),
-                            change=change is not None)  # fmt: skip
+                            changes=len(changes) if changes is not None else 0)  # fmt: skip
     await stream.write_message(header)
     sent = 0
-    if change is not None:
-        for piece in change:
+    if changes is not None:
+        for piece in (piece for change in changes for piece in change):
             sent += await stream.write_exact(piece, "int8" if piece.dtype == torch.int8 else "float32", kind="copy")
     else:
         for tensor in snapshot.tensors:
@@ -297,10 +315,11 @@ async def pull_snapshot(
     timeout_s: float,
     held: Snapshot | None,
     run: RunConfig,
-) -> tuple[str, Snapshot, int]:
+) -> tuple[str, Snapshot, int, int]:
     """`peer`'s snapshot of `stage` (its own chain's latest, or the one it keeps), as a change to `held`
-    where it sends one; returns whose chain it is, the snapshot checked against its digest, and the
-    bytes read. Raises BadBackup, BadTensor, or RuntimeError with the peer's refusal."""
+    where it sends changes; returns whose chain it is, the snapshot checked against its digest, the
+    bytes read, and how many changes came (0: the snapshot whole). Raises BadBackup, BadTensor, or
+    RuntimeError with the peer's refusal."""
     stream = await EngineRpcs(transport).backup_pull.open(peer, timeout_s)
     try:
         await stream.write_message(BackupPull(stage=stage, have=held.digest if held is not None else ""))
@@ -314,15 +333,18 @@ async def pull_snapshot(
             raise BadBackup(f"a snapshot at {why}")
         if header.tensors != len(reference):
             raise BadBackup(f"a snapshot of {header.tensors} tensors, expected {len(reference)}")
-        if header.change:
+        if header.changes:
             if held is None:
                 raise BadBackup("a change sent to a keeper that holds no snapshot")
-            pieces, nbytes = [], 0
-            for want in change_specs([tuple(t.shape) for t in reference]):
-                spec = TensorSpec(want.dtype, want.shape, want.max_abs)
-                pieces.append(await stream.read_exact(spec, max_bytes=max(1, want.nbytes)))
-                nbytes += want.nbytes
-            snapshot = await asyncio.to_thread(apply_change, held, pieces, header.inner_step, header.outer_epoch,
+            changes, nbytes = [], 0
+            for _ in range(header.changes):
+                pieces = []
+                for want in change_specs([tuple(t.shape) for t in reference]):
+                    spec = TensorSpec(want.dtype, want.shape, want.max_abs)
+                    pieces.append(await stream.read_exact(spec, max_bytes=max(1, want.nbytes)))
+                    nbytes += want.nbytes
+                changes.append(pieces)
+            snapshot = await asyncio.to_thread(apply_changes, held, changes, header.inner_step, header.outer_epoch,
                                                header.version, header.digest)  # fmt: skip
         else:
             tensors = []
@@ -335,7 +357,7 @@ async def pull_snapshot(
                                                header.version, header.digest)  # fmt: skip
     finally:
         stream.close()
-    return header.source, snapshot, nbytes
+    return header.source, snapshot, nbytes, header.changes
 
 
 async def restore_from_backup(worker: StageHolder, dead: Collection[str] = ()) -> Repair | None:
@@ -354,8 +376,8 @@ async def restore_from_backup(worker: StageHolder, dead: Collection[str] = ()) -
     found = []
     for keeper in keepers:
         try:
-            source, snapshot, _ = await pull_snapshot(ctx.transport, keeper.peer_id, worker.stage, reference,
-                                                      ctx.config.network.rpc_timeout_s, None, run)  # fmt: skip
+            source, snapshot, _, _ = await pull_snapshot(ctx.transport, keeper.peer_id, worker.stage, reference,
+                                                         ctx.config.network.rpc_timeout_s, None, run)  # fmt: skip
         except Exception as e:
             logger.info("[%s] no backup of stage %d from %s: %s", ctx.short_id, worker.stage, keeper.peer_id[-8:], e)
             continue
