@@ -62,7 +62,7 @@ from docs_section import write_section
 from shoal.config import RunConfig
 from shoal.errors import UsageError
 from shoal.model.stages import build_all_stages, forward_route
-from shoal.planning.backups import backed_up_stage, backup_keepers
+from shoal.planning.backups import CHANGE_BYTES_PER_VALUE, backed_up_stage, backup_keepers
 from shoal.run_files import FULL_PRECISION, load_run_config
 from shoal.train.data import BatchSampler, TokenSplits, load_token_splits, validation_batches
 from shoal.train.failures import Failure, by_slot, checkpoint_timeline, rate_failures, single_wipes, step_probability
@@ -122,7 +122,9 @@ STRATEGIES = {
     "backup": ({"repair.rule": "checkfree", "repair.weights_from": "unclipped"}, "none"),  # + RESTORES
 }
 RESTORES = {"backup"}  # strategies that restore a lost block stage from its keeper's copy first
-BACKUP_BYTES_PER_PARAMETER = 8  # θ and φ in float32, as a keeper holds and fetches them
+# a keeper pulls each snapshot as its int8 change (shoal/train/backup_stream.py) and holds one snapshot
+BACKUP_BYTES_PER_PARAMETER = CHANGE_BYTES_PER_VALUE
+HELD_BYTES_PER_PARAMETER = 4
 BASES = {"none": {"repair.rule": "checkfree"}, "none_swaps": {"repair.rule": "checkfree_plus"}}
 
 
@@ -546,8 +548,10 @@ def backup_counts(repairs: list[dict]) -> dict:
 
 
 def backup_cost(run: RunConfig) -> dict:
-    """What the daemons' backups cost in this run: a copy is the kept block stage's θ and φ in float32
-    (8 bytes a parameter), fetched every `backup_every` of the keeper's steps and held in its memory."""
+    """What the daemons' backups cost in this run: each snapshot of the kept block stage travels as its
+    int8 change (1.06 bytes a parameter) once every `backup_every` of the keeper's steps (in a run with an
+    outer optimizer: every outer step), and the keeper holds one float32 snapshot (4 bytes a parameter);
+    measured on live daemons by benchmarks/backup_cost.py."""
     _, blocks = build_all_stages(run.model, run.pipeline.stages, run.train.seed)
     params = [sum(p.numel() for p in block.parameters()) for block in blocks]
     every = run.repair.backup_every
@@ -559,7 +563,7 @@ def backup_cost(run: RunConfig) -> dict:
         "bytes_per_backup": per_backup,
         "bytes_per_step_per_keeper": [b / every for b in per_backup] if every else None,
         "bytes_per_step_all_keepers": sum(per_backup) / every if every else None,
-        "memory_per_keeper_node_bytes": per_backup,
+        "memory_per_keeper_node_bytes": [HELD_BYTES_PER_PARAMETER * n for n in params],
     }
 
 
@@ -970,10 +974,10 @@ simulation has no outer step, so no φ: the copy restores θ only. The modelled 
 same {T_RECOVER_S:.0f} s as a rebuild; the copies' transfers are not charged (they run beside training).
 Restores over {"the seed" if len(result["seeds"]) == 1 else "the seeds"}: {restored}; fallbacks to CheckFree: {whys}.
 
-**Cost** (θ and φ in float32, {cost["bytes_per_parameter"]} bytes a parameter; here one block stage is
+**Cost** (each snapshot as its int8 change, {cost["bytes_per_parameter"]:.2f} bytes a parameter; one block stage is
 {cost["parameters_by_block_stage"][0]:,} parameters): {per_backup / 1e6:.2f} MB per backup, {per_step / 1e3:.1f} kB
 per step per keeper (every {every} steps), {ring / 1e6:.2f} MB per step over the {keepers} keepers of the ring,
-and {held / 1e6:.2f} MB of host memory on every keeper node (8 bytes per parameter of the stage it keeps)."""
+and {held / 1e6:.2f} MB of host memory on every keeper node (one float32 snapshot of the stage it keeps)."""
 
 
 def markdown(result: dict) -> str:
