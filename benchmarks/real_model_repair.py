@@ -141,7 +141,9 @@ def markdown(results: dict) -> str:
         "*start*: the process's resident set when the node started, before it took a stage (the interpreter, "
         "torch, the libp2p client, one measured block), and what the peak holds beyond it:"
     )
-    measured = f"Arms measured: {'; '.join(dates)}." if dates else ""
+    undated = [s["arm"] for s in results["arms"] if not s.get("date")]
+    earlier = f"; {', '.join(undated)}: an earlier run, before arms were dated" if undated else ""
+    measured = f"Arms measured: {'; '.join(dates)}{earlier}. The reproduce time is the last run's." if dates else ""
     return f"""
 ## A pretrained model loses a whole stage: backup, checkpoint, CheckFree (SmolLM2-135M)
 

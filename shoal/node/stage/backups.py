@@ -118,9 +118,10 @@ class BackupSource:
         worker = self.worker
         averager = worker.averager
         if averager is not None:
-            weights = [p.detach().to("cpu", torch.float32, copy=True) for p in averager.state.phi]
+            # φ as it is (no copy on a CPU): an outer step replaces the state's tensors, it never writes them
+            weights = [p.detach().to("cpu", torch.float32) for p in averager.state.phi]
             if averager.stepping or averager.epoch != outer_epoch:
-                return  # an outer step began while we copied: the next poll takes the next point
+                return  # an outer step began while we looked: the next poll takes the next point
         else:
             weights = await worker.compute(_host_copy, worker.module, priority=BACKWARD)
             inner_step = worker.optimizer.step_count
