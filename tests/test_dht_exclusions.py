@@ -25,7 +25,8 @@ def record(**changes) -> dict:
         "relays": [], "relay_service": False, "excluded": [],
         "device": {"kind": "cpu", "name": "test cpu", "total_bytes": 2**34, "free_bytes": 2**33,
                    "planned_bytes": 2**33, "tokens_per_s": 1e5, "compute_dtype": "float32"},
-        "placement_note": None, "protocol_version": 5, "started_at": time.time(), "updated_at": time.time(),
+        "placement_note": None, "backup": None, "protocol_version": 5, "started_at": time.time(),
+        "updated_at": time.time(),
     }  # fmt: skip
     return {**base, **changes}
 

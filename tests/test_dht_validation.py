@@ -15,6 +15,7 @@ from shoal.dht.runs import run_record
 from shoal.dht.swarm import SwarmDHT
 from shoal.dht.validator import check_run_record
 from shoal.errors import UsageError
+from shoal.planning.swarm_view import BackupNote
 from shoal.run_files import load_run_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,6 +24,7 @@ RUN = load_run_config("tiny")
 
 
 REPAIR = {"stage": 2, "rule": "checkfree", "sources": [1, 3], "inner_step": 40, "seconds": 0.5, "at": 1.0, "note": ""}
+BACKUP = {"version": 3, "inner_step": 30, "outer_epoch": 3, "digest": "ab" * 32}
 
 
 def _node_record(peer_id: str, **changes) -> dict:
@@ -61,6 +63,7 @@ def _node_record(peer_id: str, **changes) -> dict:
             "compute_dtype": "float32",
         },
         "placement_note": None,
+        "backup": None,
         "protocol_version": 1,
         "started_at": time.time(),
         "updated_at": time.time(),
@@ -80,7 +83,7 @@ def test_forged_foreign_and_malformed_records_are_refused():
         honest, attacker = await _two_peers()
         try:
             expires = get_dht_time() + 30
-            assert await honest.publish_node(_node_record(honest.peer_id, repair=REPAIR), ttl_s=30)
+            assert await honest.publish_node(_node_record(honest.peer_id, repair=REPAIR, backup=BACKUP), ttl_s=30)
             key = nodes_key(RUN.run_id)
 
             # A record under the honest peer's subkey, signed by the attacker: refused.
@@ -95,6 +98,9 @@ def test_forged_foreign_and_malformed_records_are_refused():
                 _node_record(attacker.peer_id, role="rollout", model_id="a model"),  # not an id
                 _node_record(attacker.peer_id, repair=dict(REPAIR, rule="magic")),
                 _node_record(attacker.peer_id, repair=dict(REPAIR, sources=[1, 2, 3])),
+                _node_record(attacker.peer_id, backup=dict(BACKUP, digest="not hex")),
+                _node_record(attacker.peer_id, backup=dict(BACKUP, version=0)),
+                _node_record(attacker.peer_id, backup=dict(BACKUP, digest=BACKUP["digest"][:63])),
                 {"kind": "node"},
                 [1, 2, 3],
                 dict(_node_record(attacker.peer_id), extra=1),
@@ -122,6 +128,7 @@ def test_forged_foreign_and_malformed_records_are_refused():
             view = await honest.read_view(RUN)
             assert [(n.peer_id, n.stage) for n in view.nodes] == [(honest.peer_id, 1)]
             assert (view.nodes[0].repair.rule, view.nodes[0].repair.sources) == ("checkfree", (1, 3))
+            assert view.nodes[0].backup == BackupNote(**BACKUP)  # what a restore holds a kept snapshot to
             assert await attacker.read_runs("tiny") == []
             # The real config, published by its host, is accepted and verifiable.
             assert await honest.publish_run(RUN, ttl_s=30, as_default=True)

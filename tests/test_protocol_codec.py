@@ -181,8 +181,8 @@ def test_the_protocol_registers_its_messages() -> None:
 
 
 def test_golden_bytes_pin_the_wire_format() -> None:
-    # {"v": 15, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
-    expected = "83a1760fa174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
+    # {"v": 16, "t": "ping", "b": {"sent_at": 1.5, "nonce": 7}}: a change here breaks every deployed peer.
+    expected = "83a17610a174a470696e67a16282a773656e745f6174cb3ff8000000000000a56e6f6e636507"
     assert encode(PING).hex() == expected
     assert tag_of(Ping) == "ping"
 
@@ -220,7 +220,7 @@ def test_error_messages_are_one_bounded_line() -> None:
 
 
 def test_version_rule() -> None:
-    assert PROTOCOL_VERSION == 15
+    assert PROTOCOL_VERSION == 16
     assert is_compatible(PROTOCOL_VERSION)
     assert not is_compatible(PROTOCOL_VERSION + 1)
     assert not is_compatible(True)

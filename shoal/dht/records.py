@@ -87,7 +87,7 @@ class BackupRecord:
     version: int = wire_field(ge=1)
     inner_step: int = wire_field(ge=0)
     outer_epoch: int = wire_field(ge=0)
-    digest: str = wire_field(min_len=64, max_len=64, pattern=r"[0-9a-f]+")
+    digest: str = wire_field(max_len=64, pattern=r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -256,7 +256,7 @@ class BackupPull:
     replica's chain ("" for none): a replica whose previous snapshot that is sends only the change."""
 
     stage: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
-    have: str = wire_field(max_len=64, pattern=r"[0-9a-f]*", default="")
+    have: str = wire_field(max_len=64, pattern=r"([0-9a-f]{64})?", default="")
 
 
 @message("backup")
@@ -266,11 +266,11 @@ class BackupSnapshot:
     then `tensors` float32 tensors (`changes` 0: the snapshot whole) or `changes` changes in order,
     each two int8-block pieces a tensor (from the asker's snapshot, a few versions back at most)."""
 
-    source: str = wire_field(min_len=1, max_len=MAX_ID_CHARS, token=True)
+    source: str = wire_field(max_len=MAX_ID_CHARS, token=True)
     inner_step: int = wire_field(ge=0)
     outer_epoch: int = wire_field(ge=0)
     version: int = wire_field(ge=1)
-    digest: str = wire_field(min_len=64, max_len=64, pattern=r"[0-9a-f]+")
+    digest: str = wire_field(max_len=64, pattern=r"[0-9a-f]{64}")
     tensors: int = wire_field(ge=0, le=MAX_STAGE_TENSORS)
     changes: int = wire_field(ge=0, le=MAX_BACKUP_CHANGES)
 

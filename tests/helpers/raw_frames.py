@@ -100,6 +100,7 @@ def data_node_record(run_id: str, peer_id: str, inner_step: int = 0) -> dict[str
         "outer_epoch": 0, "loss": None, "grad_norm": None, "grad_norm_clipped": None, "repair": None,
         "waiting_for": [], "links": [], "replica_distance": None, "averager_maddrs": [], "model_id": None,
         "reachable": None, "relays": [], "relay_service": False, "excluded": [], "placement_note": None,
+        "backup": None,
         "protocol_version": PROTOCOL_VERSION,
         "started_at": now, "updated_at": now,
         "device": {"kind": "cpu", "name": "cpu", "total_bytes": 2**33, "free_bytes": 2**32, "planned_bytes": 2**32,
