@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from shoal.node.capacity import stage_need
-from shoal.planning.backups import backed_up_stage, backup_keepers, keeps_edge_copy
+from shoal.planning.backups import (
+    CHANGE_BYTES_PER_VALUE,
+    KEPT_CHANGES,
+    backed_up_stage,
+    backup_keepers,
+    keeps_edge_copy,
+)
 from tests.helpers.tiny import tiny_run
 
 
@@ -23,5 +31,7 @@ def test_a_workers_memory_plan_counts_the_backup_it_keeps() -> None:
     run = tiny_run(**{"pipeline.stages": 4, "model.n_layers": 3})
     off = tiny_run(**{"pipeline.stages": 4, "model.n_layers": 3, "repair.backup_every": 0})
     kept = stage_need(run, 2).fixed - stage_need(off, 2).fixed
-    assert kept == 2 * 4 * stage_need(off, 1).params  # θ and φ of stage 1, in float32
+    neighbour, own = stage_need(off, 1).params, stage_need(off, 2).params
+    # stage 1's snapshot, and our own stage's snapshot with its last two int8 changes, all on the host
+    assert kept == 4 * neighbour + 4 * math.ceil(own * (1 + KEPT_CHANGES * CHANGE_BYTES_PER_VALUE / 4))
     assert stage_need(run, 0).fixed == stage_need(off, 0).fixed
