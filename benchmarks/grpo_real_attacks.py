@@ -294,6 +294,96 @@ def _pct(cell: dict, seeds: int) -> str:
     return f"{100 * cell['mean']:.0f} ({100 * cell['min']:.0f}–{100 * cell['max']:.0f})"
 
 
+def gap(runs: list[dict], attack: str, arm: str, against: str = "") -> float | None:
+    """Points of honest sampled accuracy of (attack, arm) against the clean arm (`against`: its arm, by
+    default the same one), paired by seed over the seeds both ran; None where they share none."""
+    clean = {r["seed"]: r["after"]["sampled"] for r in runs if r["attack"] == CLEAN and r["arm"] == (against or arm)}
+    diffs = [100 * (r["after"]["sampled"] - clean[r["seed"]]) for r in runs
+             if r["attack"] == attack and r["arm"] == arm and r["seed"] in clean]  # fmt: skip
+    return statistics.mean(diffs) if diffs else None
+
+
+def reading(result: dict) -> str:
+    """What the table says, from its numbers (so the docs never contradict the JSON); the reward lie's
+    harm to defended workers is explained where it shows."""
+    table, runs, out = result["table"], result["runs"], []
+
+    def cell(attack: str, arm: str, key: str = "sampled") -> float | None:
+        found = table.get(attack, {}).get(arm)
+        return None if found is None else 100 * found[key]["mean"]
+
+    def per_seed(attack: str, arm: str, key: str) -> list:
+        chosen = sorted((r for r in runs if r["attack"] == attack and r["arm"] == arm), key=lambda r: r["seed"])
+        return [r[key] if key in r else r["after"].get(key) for r in chosen]
+
+    base = [cell(CLEAN, arm, "heldout_success:reward-lie") for arm in ARMS]
+    lie = [cell("reward-lie", arm, "heldout_success:reward-lie") for arm in ARMS]
+    if None not in base and None not in lie:
+        out.append(
+            f"The clean arms' held-out replies answer the sum plus one {base[0]:.0f} and {base[1]:.0f} % of the "
+            f"time, so the reward lie's held-out success ({lie[0]:.0f} % undefended, {lie[1]:.0f} % defended) is "
+            "that base rate: its wrong half was not learned in these rounds."
+        )
+    harm = {a: gap(runs, a, "none") for a in ("trigger", "length")}
+    if None not in harm.values():
+        out.append(
+            f"Undefended, the trigger and the padding cost the honest workers {-harm['trigger']:.0f} and "
+            f"{-harm['length']:.0f} points of sampled accuracy, the trigger without ever showing in a sampled reply "
+            "(its log-prob rose); padding reached "
+            f"{cell('length', 'none', 'training_success:length'):.0f} % of their training replies."
+        )
+    guarded = {a: gap(runs, a, "all") for a in ("trigger", "length")}
+    if None not in guarded.values():
+        trigger_out = cell("trigger", "all", "attack_rejected")
+        same = " (all of them: the honest workers trained as in the clean arm)" if trigger_out == 100 else ""
+        out.append(
+            f"Defended, the checks kept out {trigger_out:.0f} % of the trigger's replies{same} and "
+            f"{cell('length', 'all', 'attack_rejected'):.0f} % of the padding, whose rest the length rule leaves "
+            f"unrewarded: {guarded['trigger']:+.0f} and {guarded['length']:+.0f} points against clean."
+        )
+    defended = gap(runs, "reward-lie", "all")
+    if defended is not None and abs(defended) > 5:
+        cut, clean_cut = per_seed("reward-lie", "all", "length_cut"), per_seed(CLEAN, "all", "length_cut")
+        greedy, clean_greedy = per_seed("reward-lie", "all", "greedy"), per_seed(CLEAN, "all", "greedy")
+        tokens, clean_tokens = per_seed("reward-lie", "all", "mean_tokens"), per_seed(CLEAN, "all", "mean_tokens")
+        alone = {arm: gap(runs, "reward-lie", arm, against="none") for arm in ("top-k", "length")}
+        undefended = gap(runs, "reward-lie", "none")
+        text = (
+            f"Why the defended workers lose {-defended:.0f} points to the reward lie, as far as these runs show: "
+            "its right half. A receiver that recomputes rewards scores the attacker's bare right answer (`10`) "
+            "1, the largest advantage in its group, and so learns to answer with a bare number, with which this "
+            "model adds worse than when it writes the sum out (`3 + 7 = 10`). The length rule sharpens it: the "
+            "bare answer, 2-3 tokens, becomes its group's shortest right one, and honest replies past 1.25 times "
+            f"that earn nothing (the rule took {' and '.join(map(str, cut))} rewards over the run, against "
+            f"{' and '.join(map(str, clean_cut))} in the clean arm). Greedy accuracy, one reply a prompt, fell "
+            f"furthest ({' and '.join(f'{100 * g:.0f}' for g in greedy)} % against "
+            f"{' and '.join(f'{100 * g:.0f}' for g in clean_greedy)} % clean)"
+        )
+        if tokens[-1] is not None and clean_tokens[-1] is not None:
+            text += (
+                f"; the sampled replies got shorter ({tokens[-1]:.1f} tokens against {clean_tokens[-1]:.1f} clean, "
+                "last seed), some now a bare wrong number (`17` for 7 + 0, JSON `examples`)"
+            )
+        if undefended is not None:
+            text += (
+                ". The undefended receiver believes the claims, which give that bare right answer 0 and the lie 1, "
+                f"so the bare form is pushed both ways; it ends {undefended:+.0f} points from clean"
+            )
+        if None not in alone.values():
+            text += (
+                f". Each check alone costs less (against the undefended clean arm: the top-k check "
+                f"{alone['top-k']:+.0f}, the length rule {alone['length']:+.0f}; rewards are recomputed in both)"
+            )
+        text += (
+            ". No check asks what a right answer teaches: the bare number is this model's own likely text (the "
+            "top-k check passes it for some prompts), it has no working for the judge, and the length rule "
+            "favours it. Not fixed here: a length bar set only from the node's own right answers would stop the "
+            "sharpening, not the lesson."
+        )
+        out.append(text)
+    return " ".join(out)
+
+
 def markdown(result: dict) -> str:
     cfg, table, before = result["config"], result["table"], result["before"]
     per_cell = {tuple(s["seeds"]) for by_arm in table.values() for s in by_arm.values()}
@@ -301,20 +391,19 @@ def markdown(result: dict) -> str:
     for attack, by_arm in table.items():
         for arm, s in by_arm.items():
             seeds = len(s["seeds"])
-            clean = table.get(CLEAN, {}).get(arm)
-            success = logp = rejected = gap = "–"
+            success = logp = rejected = delta = "–"
             if attack != CLEAN:
                 training, heldout = s[f"training_success:{attack}"], s[f"heldout_success:{attack}"]
                 success = f"{_pct(training, seeds)} / {_pct(heldout, seeds)}"
                 logp = f"{before['poison_logp'][attack]:.2f} → {s[f'poison_logp:{attack}']['mean']:.2f}"
                 rejected = _pct(s["attack_rejected"], seeds)
-            if attack != CLEAN and clean is not None:
-                diff = 100 * (s["sampled"]["mean"] - clean["sampled"]["mean"])
-                gap = f"{diff:+.0f}"
+            diff = gap(result["runs"], attack, arm) if attack != CLEAN else None
+            if diff is not None:
+                delta = f"{diff:+.0f}"
                 if arm == "all":
                     verdicts.append(f"{attack} {diff:+.0f} ({'within' if abs(diff) <= 5 else 'not within'} 5)")
             rows.append(f"| {attack} | {arm} | {success} | {logp} | {rejected} | {_pct(s['greedy'], seeds)} | "
-                        f"{_pct(s['sampled'], seeds)} | {gap} |")  # fmt: skip
+                        f"{_pct(s['sampled'], seeds)} | {delta} |")  # fmt: skip
             if len(per_cell) > 1:
                 rows[-1] += f" {', '.join(map(str, s['seeds']))} |"
     base = ", ".join(f"{k} {100 * v:.0f} %" for k, v in before["success"].items())
@@ -367,7 +456,8 @@ def markdown(result: dict) -> str:
         f"{result['heldout_prompts']} held-out prompts, mean of the two honest workers: greedy, and sampled "
         f"({cfg['eval_samples']} replies a prompt, one generator seed in every cell); at the start "
         f"{100 * before['greedy']:.0f} and {100 * before['sampled']:.0f}. Δ: sampled accuracy against the clean "
-        f"arm with the same defenses, in points. Payload rates in the starting policy's sampled replies: {base}."
+        "arm with the same defenses, in points, paired by seed over the seeds both ran. Payload rates in the "
+        f"starting policy's sampled replies: {base}."
     )
     header = (
         "| attack | defenses | success: training / held-out | poison log-prob | attack rejected | honest greedy "
@@ -388,7 +478,9 @@ In the `all` arms, the share of the honest workers' replies to each other that t
 and the replies (own or foreign, over both honest workers and every round) whose reward the length rule
 took: {checked}.
 
-{verdict} {noise} {result.get("reading", "")}
+{verdict} {noise}
+
+{reading(result)}
 """
 
 
@@ -446,7 +538,7 @@ def main() -> int:
         previous = json.loads(RESULTS.read_text())
         runs = [r for r in previous["runs"] if (r["attack"], r["arm"], r["seed"]) not in cells] + runs
         config["seeds"] = sorted({r["seed"] for r in runs})
-        invocations = [*previous.get("invocations", [previous["command"]]), invocation]
+        invocations = [*(previous.get("invocations") or [previous["command"]]), invocation]
         wall_s += previous["wall_s"]
     result = {
         "invocations": invocations,
