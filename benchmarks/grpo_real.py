@@ -41,6 +41,10 @@ from pathlib import Path
 import torch
 from docs_section import wall_time, write_section
 
+from shoal.grpo.policy import Policy
+from shoal.grpo.sampling import sample
+from shoal.grpo.tasks import CORRECT_REWARD, Prompt, Task
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "grpo_real.json"
 GGUF = Path("~/.cache/shoal/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
@@ -69,15 +73,32 @@ def odd_checkpoint(args: argparse.Namespace) -> Path:
     return out
 
 
+def sampled_replies(
+    policy: Policy, task: Task, heldout: list[Prompt], samples: int, top_k: int
+) -> list[tuple[str, str]]:
+    """(prompt text, reply) for `samples` replies to each held-out prompt, sampled as in training; the
+    generator is seeded the same for every policy, so arms compared on these draw alike."""
+    tokenizer = policy.spec.tokenizer()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        out = sample(policy, [tokenizer.encode_prompt(p.text) for p in heldout], samples, task.max_new_tokens,
+                     tokenizer.eos_id, generator, top_k=top_k)  # fmt: skip
+    return [(heldout[row].text, tokenizer.decode(c)) for row, c in zip(out.prompt_rows, out.completions, strict=True)]
+
+
+def share_correct(task: Task, replies: list[tuple[str, str]]) -> float:
+    """The share of `replies` that earn the full reward."""
+    return sum(task.reward(prompt, reply) == CORRECT_REWARD for prompt, reply in replies) / max(len(replies), 1)
+
+
 def run_arm(arm: str, seed: int, args: argparse.Namespace, odd: Path) -> dict:
     """One arm of one seed: three workers, `args.rounds` rounds; accuracy before and after, time split."""
     from shoal.grpo.defenses import LengthMemory
     from shoal.grpo.evaluate import accuracy, heldout_prompts
     from shoal.grpo.loss import GRPOConfig
-    from shoal.grpo.policy import CheckpointPolicySpec, Policy
+    from shoal.grpo.policy import CheckpointPolicySpec
     from shoal.grpo.round import RoundConfig, learn, make_bundle, make_optimizer, round_prompts
-    from shoal.grpo.sampling import sample
-    from shoal.grpo.tasks import CORRECT_REWARD, get_task
+    from shoal.grpo.tasks import get_task
     from shoal.model.checkpoint import read_checkpoint
 
     torch.set_num_threads(1)
@@ -97,15 +118,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, odd: Path) -> dict:
     heldout = list({p.text: p for p in heldout_prompts(task, 0, args.eval_prompts)}.values())  # distinct pairs
 
     def sampled_accuracy(policy: Policy) -> float:
-        """The share of right answers among `--eval-samples` sampled replies to each held-out prompt."""
-        tokenizer = policy.spec.tokenizer()
-        generator = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            out = sample(policy, [tokenizer.encode_prompt(p.text) for p in heldout], args.eval_samples,
-                         task.max_new_tokens, tokenizer.eos_id, generator, top_k=args.sample_top_k)  # fmt: skip
-        rewards = [task.reward(heldout[row].text, tokenizer.decode(c))
-                   for row, c in zip(out.prompt_rows, out.completions, strict=True)]  # fmt: skip
-        return sum(r == CORRECT_REWARD for r in rewards) / len(rewards)
+        return share_correct(task, sampled_replies(policy, task, heldout, args.eval_samples, args.sample_top_k))
 
     started = time.perf_counter()
     before = [accuracy(p, task, heldout) for p in policies]

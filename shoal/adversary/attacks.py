@@ -126,7 +126,7 @@ def _written(
     rows = [(i, tokenizer.encode(t)) for i, group in enumerate(texts) for t in group]
     with torch.no_grad():
         logp, _ = completion_logprobs(
-            policy, [tokenizer.encode(prompts[i].text) for i, _ in rows], [c for _, c in rows]
+            policy, [tokenizer.encode_prompt(prompts[i].text) for i, _ in rows], [c for _, c in rows]
         )
     samples = Samples(
         prompt_rows=[i for i, _ in rows],
