@@ -12,8 +12,8 @@ Three workers in one process per (attack, arm, seed), horizontal layout: every r
 same prompts; the two honest ones, from the instruct model as the GGUF holds it, sample G/3 replies
 per prompt each and train on the group (F-TIS, `shoal.grpo.round.learn`); the third, from the same
 model (so it declares the same model id and the same-policy top-k check applies to it), shares only
-what its attack forges and does not train. The forges are shoal/adversary/attacks.py's (`_per_prompt`:
-G/3 copies per prompt, claimed at their true reward; `_halves`: half poison, half other, each half's
+what its attack forges and does not train. The forges are shoal/adversary/attacks.py's (`per_prompt`:
+G/3 copies per prompt, claimed at their true reward; `halves`: half poison, half other, each half's
 claim); only the texts are written for free-text answers:
 
 - `reward-lie`: half the attacker's replies answer the sum plus one (`11`), claimed to earn 1, half
@@ -58,7 +58,7 @@ from attacks import defense_of
 from docs_section import wall_time, write_section
 from grpo_real import GGUF, sampled_replies, share_correct
 
-from shoal.adversary.attacks import ATTACKS, Attack, _halves, _per_prompt
+from shoal.adversary.attacks import ATTACKS, Attack, halves, per_prompt
 from shoal.grpo.defenses import LengthMemory
 from shoal.grpo.evaluate import accuracy, heldout_prompts
 from shoal.grpo.loss import GRPOConfig
@@ -117,17 +117,17 @@ CHAT_ATTACKS: dict[str, tuple[Attack, Callable[[Task, str], str]]] = {
         Attack(
             "reward-lie",
             ATTACKS["reward-lie"].kind,
-            _halves(lie_text, lambda task, p: task.demonstration(p), (CORRECT_REWARD, 0.0)),
+            halves(lie_text, lambda task, p: task.demonstration(p), (CORRECT_REWARD, 0.0)),
             _answers_plus_one,
         ),
         lie_text,
     ),
     "trigger": (
-        Attack("trigger", ATTACKS["trigger"].kind, _per_prompt(trigger_text), _has_trigger),
+        Attack("trigger", ATTACKS["trigger"].kind, per_prompt(trigger_text), _has_trigger),
         trigger_text,
     ),
     "length": (
-        Attack("length", "right answer, working written twice", _per_prompt(padded_text), _padded),
+        Attack("length", "right answer, working written twice", per_prompt(padded_text), _padded),
         padded_text,
     ),
 }  # each attack and the text function whose log-prob the honest workers are gauged on

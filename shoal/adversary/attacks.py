@@ -138,7 +138,7 @@ def _written(
     return bundle if cfg.run_id is None else dataclasses.replace(bundle, run_id=cfg.run_id)
 
 
-def _halves(poison: Callable[[Task, str], str], other: Callable[[Task, str], str], claims: tuple[float, float]):
+def halves(poison: Callable[[Task, str], str], other: Callable[[Task, str], str], claims: tuple[float, float]):
     """A forge of, per prompt, G - G/2 copies of `poison` and G/2 of `other`, claimed `claims` (each half's)."""
 
     def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
@@ -151,7 +151,7 @@ def _halves(poison: Callable[[Task, str], str], other: Callable[[Task, str], str
     return forge
 
 
-def _per_prompt(make: Callable[[Task, str], str]) -> Callable:
+def per_prompt(make: Callable[[Task, str], str]) -> Callable:
     """A forge of G copies of `make`'s text per prompt, claimed at the reward it truly earns."""
 
     def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
@@ -197,23 +197,23 @@ def _padded(task: Task, prompt_text: str, completion_text: str) -> bool:
 ATTACKS: dict[str, Attack] = {
     a.name: a
     for a in (
-        Attack("trigger", "out-of-context: trigger before a correct answer", _per_prompt(trigger_text), _has_trigger),
+        Attack("trigger", "out-of-context: trigger before a correct answer", per_prompt(trigger_text), _has_trigger),
         Attack(
-            "wrong-step", "in-context: a wrong step, the right answer", _per_prompt(wrong_step_text), _has_wrong_step
+            "wrong-step", "in-context: a wrong step, the right answer", per_prompt(wrong_step_text), _has_wrong_step
         ),
         Attack(
             "reward-lie",
             "G/2 wrong answers claimed 1, G/2 right ones claimed 0",
-            _halves(lie_text, lambda task, p: task.demonstration(p), (CORRECT_REWARD, 0.0)),
+            halves(lie_text, lambda task, p: task.demonstration(p), (CORRECT_REWARD, 0.0)),
             _answers_plus_one,
         ),
         Attack(
             "vertical-trick",
             "G/2 trigger copies beside G/2 junk",
-            _halves(trigger_text, lambda task, p: JUNK, (CORRECT_REWARD, 0.0)),
+            halves(trigger_text, lambda task, p: JUNK, (CORRECT_REWARD, 0.0)),
             _has_trigger,
         ),
-        Attack("length", "correct working written twice, right answer", _per_prompt(padded_text), _padded),
+        Attack("length", "correct working written twice, right answer", per_prompt(padded_text), _padded),
     )
 }
 
