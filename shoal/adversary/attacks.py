@@ -143,8 +143,8 @@ def halves(poison: Callable[[Task, str], str], other: Callable[[Task, str], str]
 
     def forge(policy: Policy, cfg: RoundConfig, prompts: list[Prompt], generator: torch.Generator | None) -> Forgery:
         task, g = get_task(cfg.task), cfg.completions_per_prompt
-        halves = [(poison(task, p.text), other(task, p.text)) for p in prompts]
-        texts = [[a] * (g - g // 2) + [b] * (g // 2) for a, b in halves]
+        pairs = [(poison(task, p.text), other(task, p.text)) for p in prompts]
+        texts = [[a] * (g - g // 2) + [b] * (g // 2) for a, b in pairs]
         rewards = [[claims[0]] * (g - g // 2) + [claims[1]] * (g // 2) for _ in prompts]
         return Forgery(_written(policy, cfg, prompts, texts, rewards))
 
